@@ -1,0 +1,95 @@
+// Dtype codes shared by every native module, and exact scalar conversions (no intrinsics).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace hmoe {
+
+// The codes are part of the ABI: python/hmoe/_dtypes.py holds the same table.
+enum DType : int32_t {
+  kF32 = 0,
+  kF16 = 1,
+  kBF16 = 2,
+  kI32 = 3,
+  kI64 = 4,
+};
+
+inline const char* dtype_name(int32_t code) {
+  switch (code) {
+    case kF32: return "float32";
+    case kF16: return "float16";
+    case kBF16: return "bfloat16";
+    case kI32: return "int32";
+    case kI64: return "int64";
+    default: return "unknown";
+  }
+}
+
+inline bool is_float_dtype(int32_t code) { return code == kF32 || code == kF16 || code == kBF16; }
+inline int64_t dtype_size(int32_t code) {
+  return code == kF32 || code == kI32 ? 4 : code == kI64 ? 8 : 2;
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN (quiet bit set).
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400u));
+      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 0x1f) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, overflow to inf, NaN preserved.
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t au = u & 0x7fffffffu;
+  if (au > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (au >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (au < 0x38800000u) {                                     // below the smallest normal
+    if (au < 0x33000000u) return uint16_t(sign);              // < half the smallest subnormal
+    uint32_t e = au >> 23;
+    uint32_t man = (au & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14 .. 24 for this range
+    uint32_t half = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return uint16_t(sign | half);
+  }
+  uint32_t r = au + 0xfffu + ((au >> 13) & 1u) - (112u << 23);
+  return uint16_t(sign | (r >> 13));
+}
+
+}  // namespace hmoe

@@ -1,0 +1,48 @@
+// A fixed pool of worker threads that runs one parallel-for at a time; callers from several
+// threads are serialised, and the calling thread works too.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hmoe {
+
+class ThreadPool {
+ public:
+  // fn(task, worker) for task in [0, n_tasks); worker in [0, n_threads) identifies the
+  // thread, so callers can index per-thread scratch. Runs on at most n_threads threads
+  // (the caller included) and returns when every task is done. Tasks are handed out
+  // dynamically. The first exception thrown by a task is rethrown here.
+  void parallel_for(int64_t n_tasks, int n_threads,
+                    const std::function<void(int64_t task, int worker)>& fn);
+
+  static ThreadPool& instance();
+  // Threads usable by this process (sched affinity), at least 1.
+  static int usable_cores();
+  ~ThreadPool();
+
+ private:
+  void ensure_workers(int n);
+  void worker_loop(int id);
+  void run_tasks(int worker);
+
+  std::mutex submit_mu_;  // one job at a time
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::vector<std::thread> workers_;
+  int owner_pid_ = -1;  // process that started workers_
+  bool stop_ = false;
+  uint64_t generation_ = 0;
+  int active_workers_ = 0;    // workers (excluding caller) taking part in this job
+  int running_ = 0;           // workers still inside the current job
+  const std::function<void(int64_t, int)>* fn_ = nullptr;
+  int64_t n_tasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::exception_ptr error_;
+};
+
+}  // namespace hmoe

@@ -1,0 +1,113 @@
+// Register-tile microkernels of the expert GEMMs, written once over the ops of the ISA header
+// this module is compiled with (isa::V = 16 fp32 lanes). All accumulate in fp32.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "common/dtype.h"
+
+#include HMOE_ISA_HEADER
+
+namespace hmoe {
+namespace HMOE_ISA {
+
+using isa::V;
+
+// C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (moe_params.h layout).
+// Activations A are bf16 (u16, row stride lda) for bf16 weights, else fp32.
+template <int MR, int NR>
+inline void mk_packed_bf16(const uint16_t* A, int64_t lda, const uint16_t* const* B, int64_t kpad,
+                           float* C, int64_t ldc) {
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = isa::vzero();
+  for (int64_t kp = 0; kp < kpad / 2; ++kp) {
+    isa::BPair b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = isa::load_bpair(B[j] + kp * 32);
+    for (int i = 0; i < MR; ++i) {
+      isa::APair a = isa::bcast_apair(A + i * lda + 2 * kp);
+      for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot_pair(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) isa::vstore(C + i * ldc + j * 16, acc[i][j]);
+}
+
+template <typename W>
+inline V load_w16(const W* p);
+template <>
+inline V load_w16<float>(const float* p) { return isa::vload(p); }
+template <>
+inline V load_w16<uint16_t>(const uint16_t* p) { return isa::vload_f16(p); }  // fp16 weights
+
+template <int MR, int NR, typename W>
+inline void mk_packed_f(const float* A, int64_t lda, const W* const* B, int64_t kd, float* C, int64_t ldc) {
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = isa::vzero();
+  for (int64_t k = 0; k < kd; ++k) {
+    V b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = load_w16(B[j] + k * 16);
+    for (int i = 0; i < MR; ++i) {
+      V a = isa::vbcast(A[i * lda + k]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = isa::vfma(a, b[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) isa::vstore(C + i * ldc + j * 16, acc[i][j]);
+}
+
+// Row-major (unpacked) weights, for decode: C[i][r] = dot(A[i, :kd], W row r) for MR rows of
+// A (fp32) and 4 weight rows at once (4 independent FMA chains per A row).
+template <int WD>
+inline V load_row16(const void* p, int64_t k) {
+  if constexpr (WD == kF32) return isa::vload(static_cast<const float*>(p) + k);
+  else if constexpr (WD == kBF16) return isa::vload_bf16(static_cast<const uint16_t*>(p) + k);
+  else return isa::vload_f16(static_cast<const uint16_t*>(p) + k);
+}
+template <int WD>
+inline float load_row1(const void* p, int64_t k) {
+  if constexpr (WD == kF32) return static_cast<const float*>(p)[k];
+  else if constexpr (WD == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  else return f16_to_f32(static_cast<const uint16_t*>(p)[k]);
+}
+
+constexpr int kRowsNW = 4;
+
+template <int MR, int WD>
+inline void mk_rows(const float* A, int64_t lda, const void* const* rows, int64_t kd, float* C, int64_t ldc) {
+  V acc[MR][kRowsNW];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kRowsNW; ++j) acc[i][j] = isa::vzero();
+  const int64_t kv = kd / 16 * 16;
+  for (int64_t k = 0; k < kv; k += 16) {
+    V b[kRowsNW];
+    for (int j = 0; j < kRowsNW; ++j) b[j] = load_row16<WD>(rows[j], k);
+    for (int i = 0; i < MR; ++i) {
+      V a = isa::vload(A + i * lda + k);
+      for (int j = 0; j < kRowsNW; ++j) acc[i][j] = isa::vfma(a, b[j], acc[i][j]);
+    }
+  }
+  for (int j = 0; j < kRowsNW; ++j) {
+    for (int i = 0; i < MR; ++i) {
+      float s = isa::vsum(acc[i][j]);
+      for (int64_t k = kv; k < kd; ++k) s += A[i * lda + k] * load_row1<WD>(rows[j], k);
+      C[i * ldc + j] = s;
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, M>) for the compile-time M == m (1 <= m <= isa::kMR).
+template <int M = 1, typename F>
+inline void with_mr(int m, F&& f) {
+  if constexpr (M <= isa::kMR) {
+    if (m == M) {
+      f(std::integral_constant<int, M>{});
+      return;
+    }
+    with_mr<M + 1>(m, static_cast<F&&>(f));
+  }
+}
+
+}  // namespace HMOE_ISA
+}  // namespace hmoe

@@ -1,0 +1,78 @@
+// AMX-BF16 ops for the expert kernels: the avx512_bf16 register ops plus a 2x2 tile GEMM
+// used for experts with at least Tiles::kMinRows rows.
+#pragma once
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "experts/isa/avx512_bf16_ops.h"
+
+namespace hmoe::isa {
+
+constexpr int kMR = 6;  // register kernel rows, for experts with few rows
+
+struct Tiles {
+  static constexpr bool kAvailable = true;
+  static constexpr int64_t kMinRows = 8;
+
+  struct alignas(64) Config {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  };
+
+  // Linux grants AMX tile data per process; touching a tile without the grant is SIGILL.
+  // Returns "" once granted, else why not.
+  static const char* ensure_permission() {
+    constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtiledata = 18;
+    unsigned long mask = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &mask) == 0 && (mask & (1ul << kXtiledata))) return "";
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) != 0) return "arch_prctl(ARCH_REQ_XCOMP_PERM) refused";
+    return "";
+  }
+
+  // Tile state is per thread: every tile register is 16 rows x 64 bytes.
+  static void begin() {
+    Config cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int i = 0; i < 8; ++i) {
+      cfg.colsb[i] = 64;
+      cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  static void end() { _tile_release(); }
+
+  // C[32][32] (fp32, ldc 32) = A[32 rows, kpad] x blocks (B0, B1), kpad a multiple of 32.
+  // A is bf16 row-major with lda elements; B0/B1 are packed blocks [kpad/2][16][2].
+  // tmm0..3 accumulate, tmm4/5 hold A rows 0-15/16-31, tmm6/7 hold B0/B1.
+  static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad,
+                      float* C) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < kpad; k += 32) {
+      _tile_loadd(4, A + k, lda * 2);
+      _tile_loadd(5, A + 16 * lda + k, lda * 2);
+      _tile_loadd(6, B0 + k * 16, 64);
+      _tile_loadd(7, B1 + k * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, C, 128);
+    _tile_stored(1, C + 16, 128);
+    _tile_stored(2, C + 16 * 32, 128);
+    _tile_stored(3, C + 16 * 32 + 16, 128);
+  }
+};
+
+}  // namespace hmoe::isa

@@ -1,0 +1,344 @@
+// The CPU MoE experts op for one ISA (this file is compiled once per level in arch/cpu.json):
+// route (tokens grouped by expert), gather, GEMM1 + silu*up, GEMM2, weighted combine.
+#include "experts/moe_experts.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "experts/act.h"
+#include "experts/gemm.h"
+#include "experts/pack.h"
+
+namespace hmoe {
+namespace HMOE_ISA {
+namespace {
+
+// With unpacked weights, experts that see at most this many rows use the row-dot kernel,
+// which streams each weight row once; more rows and blocks are packed on the fly per task.
+constexpr int64_t kRowsMaxM = 4;
+
+template <typename T>
+std::unique_ptr<T[]> uninit(int64_t n) { return std::unique_ptr<T[]>(new T[size_t(std::max<int64_t>(n, 1))]); }
+
+struct Routing {
+  std::vector<int64_t> offset;   // [E + 1]: rows of expert e are [offset[e], offset[e+1])
+  std::vector<int64_t> pos;      // [T * K]: row of slot (t, k)
+  std::vector<int64_t> token;    // [S]: token of row r
+  std::vector<int32_t> active;   // experts with rows
+  int64_t max_rows = 0;
+};
+
+Routing route(const MoeParams& p) {
+  Routing r;
+  const int64_t S = p.T * p.K;
+  std::vector<int64_t> ids(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
+    int64_t e = p.ids_dtype == kI64 ? static_cast<const int64_t*>(p.topk_ids)[s]
+                                    : static_cast<const int32_t*>(p.topk_ids)[s];
+    if (e < 0 || e >= p.E) {
+      throw std::invalid_argument("topk_ids: expert id " + std::to_string(e) + " at token " +
+                                  std::to_string(s / p.K) + " is outside [0, " + std::to_string(p.E) + ")");
+    }
+    ids[size_t(s)] = e;
+  }
+  r.offset.assign(size_t(p.E + 1), 0);
+  for (int64_t s = 0; s < S; ++s) ++r.offset[size_t(ids[size_t(s)] + 1)];
+  for (int64_t e = 0; e < p.E; ++e) {
+    int64_t n = r.offset[size_t(e + 1)];
+    if (n > 0) r.active.push_back(int32_t(e));
+    r.max_rows = std::max(r.max_rows, n);
+    r.offset[size_t(e + 1)] += r.offset[size_t(e)];
+  }
+  std::vector<int64_t> fill(r.offset.begin(), r.offset.end() - 1);
+  r.pos.resize(size_t(S));
+  r.token.resize(size_t(S));
+  for (int64_t s = 0; s < S; ++s) {
+    int64_t row = fill[size_t(ids[size_t(s)])]++;
+    r.pos[size_t(s)] = row;
+    r.token[size_t(row)] = s / p.K;
+  }
+  return r;
+}
+
+// Splits each active expert's n_blocks into chunks so that there are enough tasks to keep
+// every thread busy; a task is (active index, first block, end block).
+struct Task { int32_t a; int64_t b0, b1; };
+
+// The matrix unit (AMX tiles) where the ISA has one; templates so that ISAs without it never
+// instantiate the calls.
+template <class T = isa::Tiles>
+bool use_tiles(int32_t w_dtype, int64_t rows) {
+  if constexpr (T::kAvailable) return w_dtype == kBF16 && rows >= T::kMinRows;
+  else return false;
+}
+template <class T = isa::Tiles>
+void tiles_begin() { if constexpr (T::kAvailable) T::begin(); }
+template <class T = isa::Tiles>
+void tiles_end() { if constexpr (T::kAvailable) T::end(); }
+template <class T = isa::Tiles>
+void tiles_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad, float* C) {
+  if constexpr (T::kAvailable) T::mma_2x2(A, lda, B0, B1, kpad, C);
+}
+std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
+  int64_t total = int64_t(r.active.size()) * n_blocks;
+  int64_t chunk = std::clamp<int64_t>(total / (8 * int64_t(threads)), 1, 16);
+  chunk = std::max<int64_t>(unit, chunk / unit * unit);
+  std::vector<Task> tasks;
+  for (size_t a = 0; a < r.active.size(); ++a)
+    for (int64_t b = 0; b < n_blocks; b += chunk) tasks.push_back({int32_t(a), b, std::min(n_blocks, b + chunk)});
+  return tasks;
+}
+
+struct Dims {
+  bool packed_path;   // packed kernels (pre-packed or packed per task) vs row-dot kernels
+  bool bf16_act;      // activations entering matmuls kept as bf16 (bf16 weights, packed path)
+  int64_t ldx, ldh, ldy, kx, kh;  // row strides of X, Hact, Y; reduction lengths of GEMM1/2
+  int64_t n_pairs, n_out_blocks;
+  int64_t bytes13, bytes2;        // one packed expert
+  int64_t block13, block2;        // bytes of one packed block
+};
+
+Dims make_dims(const MoeParams& p, const Routing& r) {
+  Dims d;
+  d.packed_path = p.packed || r.max_rows > kRowsMaxM;
+  d.bf16_act = d.packed_path && p.w_dtype == kBF16;
+  d.kx = d.bf16_act ? round_up(p.H, kBf16KAlign) : p.H;
+  d.kh = d.bf16_act ? round_up(p.I, kBf16KAlign) : p.I;
+  d.ldx = d.kx;
+  d.ldh = std::max(d.kh, round_up(p.I, kBlockN));
+  d.ldy = round_up(p.H, kBlockN);
+  d.n_pairs = ceil_div(p.I, kBlockN);
+  d.n_out_blocks = ceil_div(p.H, kBlockN);
+  d.bytes13 = packed_w13_bytes(p.w_dtype, p.H, p.I);
+  d.bytes2 = packed_w2_bytes(p.w_dtype, p.H, p.I);
+  d.block13 = packed_block_elems(p.w_dtype, p.H) * dtype_size(p.w_dtype);
+  d.block2 = packed_block_elems(p.w_dtype, p.I) * dtype_size(p.w_dtype);
+  return d;
+}
+
+// C[m][NR*16] for rows [0, m) of A against NR packed blocks, m <= isa::kMR.
+template <int NR>
+void packed_tile(int32_t w_dtype, int m, const void* A, int64_t lda, const void* const* B, int64_t kd,
+                 float* C, int64_t ldc) {
+  with_mr(m, [&](auto mr) {
+    constexpr int M = decltype(mr)::value;
+    if (w_dtype == kBF16) {
+      mk_packed_bf16<M, NR>(static_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t* const*>(B),
+                            round_up(kd, kBf16KAlign), C, ldc);
+    } else if (w_dtype == kF16) {
+      mk_packed_f<M, NR>(static_cast<const float*>(A), lda, reinterpret_cast<const uint16_t* const*>(B), kd, C, ldc);
+    } else {
+      mk_packed_f<M, NR>(static_cast<const float*>(A), lda, reinterpret_cast<const float* const*>(B), kd, C, ldc);
+    }
+  });
+}
+
+// Runs C[rows][NR*16] = A rows x blocks for `rows` rows (any count), calling epi(row0, m, C, 32)
+// per tile of up to 32 rows. AMX handles 32-row tiles when it exists and the expert has rows.
+template <int NR, typename Epi>
+void packed_rows(const MoeParams& p, int64_t rows, const void* A, int64_t lda, const void* const* B, int64_t kd,
+                 Epi&& epi) {
+  alignas(64) float C[32 * 32];
+  const int64_t asz = p.w_dtype == kBF16 ? 2 : 4;
+  if (use_tiles(p.w_dtype, rows)) {
+    const uint16_t* b1 = static_cast<const uint16_t*>(B[NR - 1]);
+    for (int64_t r = 0; r < rows; r += 32) {
+      tiles_2x2(static_cast<const uint16_t*>(A) + r * lda, lda, static_cast<const uint16_t*>(B[0]), b1,
+                round_up(kd, kBf16KAlign), C);
+      epi(r, int(std::min<int64_t>(32, rows - r)), C, 32);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; r += isa::kMR) {
+    int m = int(std::min<int64_t>(isa::kMR, rows - r));
+    packed_tile<NR>(p.w_dtype, m, static_cast<const char*>(A) + r * lda * asz, lda, B, kd, C, 32);
+    epi(r, m, C, 32);
+  }
+}
+
+void store_h(const Dims& d, const float* h, void* Hact, int64_t row, int64_t col) {
+  if (d.bf16_act) store_act(h, kBlockN, static_cast<uint16_t*>(Hact) + row * d.ldh + col);
+  else store_act(h, kBlockN, static_cast<float*>(Hact) + row * d.ldh + col);
+}
+
+}  // namespace
+
+void run_moe(const MoeParams& p) {
+  if (p.T == 0) return;
+  const Routing r = route(p);
+  const Dims d = make_dims(p, r);
+  const int threads = std::max(1, p.num_threads);
+  ThreadPool& pool = ThreadPool::instance();
+  const int64_t S = p.T * p.K;
+  const int64_t asz = d.bf16_act ? 2 : 4;
+  const int64_t wsz = dtype_size(p.w_dtype);
+  const bool round_bf16 = p.w_dtype == kBF16;  // contract: matmul inputs rounded to bf16
+
+  // X rows in expert order, plus 32 zero rows so that 32-row tiles never read past the end.
+  auto X = uninit<char>((S + 32) * d.ldx * asz);
+  auto Hact = uninit<char>((S + 32) * d.ldh * asz);
+  auto Y = uninit<float>(S * d.ldy);
+  std::memset(X.get() + S * d.ldx * asz, 0, size_t(32 * d.ldx * asz));
+  std::memset(Hact.get() + S * d.ldh * asz, 0, size_t(32 * d.ldh * asz));
+
+  const int64_t row_chunk = std::max<int64_t>(1, S / (4 * threads));
+  pool.parallel_for(ceil_div(S, row_chunk), threads, [&](int64_t task, int) {
+    std::vector<float> tmp(size_t(p.H));
+    for (int64_t row = task * row_chunk; row < std::min(S, (task + 1) * row_chunk); ++row) {
+      const int64_t t = r.token[size_t(row)];
+      load_row_f32(static_cast<const char*>(p.x) + t * p.H * dtype_size(p.x_dtype), p.x_dtype, p.H, tmp.data());
+      if (d.bf16_act) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(X.get()) + row * d.ldx;
+        store_act(tmp.data(), p.H, dst);
+        std::fill(dst + p.H, dst + d.ldx, uint16_t(0));
+      } else {
+        if (round_bf16) round_act_bf16(tmp.data(), p.H);
+        float* dst = reinterpret_cast<float*>(X.get()) + row * d.ldx;
+        std::memcpy(dst, tmp.data(), size_t(p.H * 4));
+        std::fill(dst + p.H, dst + d.ldx, 0.f);
+      }
+      // Columns of H that no GEMM1 block writes must read as zero in GEMM2.
+      char* hrow = Hact.get() + row * d.ldh * asz;
+      std::memset(hrow + d.n_pairs * kBlockN * asz, 0, size_t((d.ldh - d.n_pairs * kBlockN) * asz));
+    }
+  });
+
+  // Per-thread scratch for two blocks packed on the fly (unpacked weights, packed path): a
+  // block pair is packed right before the rows that use it, so it is still in L2.
+  std::vector<std::unique_ptr<char[]>> scratch(static_cast<size_t>(threads));
+  auto scratch_for = [&](int worker) {
+    if (!scratch[size_t(worker)]) scratch[size_t(worker)] = uninit<char>(2 * std::max(d.block13, d.block2));
+    return scratch[size_t(worker)].get();
+  };
+
+  // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
+  auto tasks1 = make_tasks(r, d.n_pairs, 1, threads);
+  pool.parallel_for(int64_t(tasks1.size()), threads, [&](int64_t ti, int worker) {
+    const Task& tk = tasks1[size_t(ti)];
+    const int64_t e = r.active[size_t(tk.a)];
+    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+    const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? d.bytes13 : 2 * p.I * p.H * wsz);
+    if (d.packed_path) {
+      if (use_tiles(p.w_dtype, rows)) tiles_begin();
+      for (int64_t pr = tk.b0; pr < tk.b1; ++pr) {
+        const char* blocks = w13e + 2 * pr * d.block13;
+        if (!p.packed) {
+          char* s = scratch_for(worker);
+          pack_w13_blocks(w13e, p.w_dtype, p.H, p.I, 2 * pr, 2 * pr + 2, s);
+          blocks = s;
+        }
+        const void* B[2] = {blocks, blocks + d.block13};
+        packed_rows<2>(p, rows, X.get() + row0 * d.ldx * asz, d.ldx, B, d.kx, [&](int64_t r0, int m, const float* C, int64_t ldc) {
+          float h[kBlockN];
+          for (int i = 0; i < m; ++i) {
+            silu_mul16(C + i * ldc, C + i * ldc + kBlockN, h);
+            store_h(d, h, Hact.get(), row0 + r0 + i, pr * kBlockN);
+          }
+        });
+      }
+      if (use_tiles(p.w_dtype, rows)) tiles_end();
+      return;
+    }
+    // Row-dot path: gate rows j and up rows I + j of the row-major [2I, H] matrix.
+    float g[isa::kMR * 2 * kBlockN];
+    const float* Xf = reinterpret_cast<const float*>(X.get()) + row0 * d.ldx;
+    for (int64_t pr = tk.b0; pr < tk.b1; ++pr) {
+      for (int64_t i0 = 0; i0 < rows; i0 += isa::kMR) {
+        const int m = int(std::min<int64_t>(isa::kMR, rows - i0));
+        for (int64_t c = 0; c < 2 * kBlockN; c += kRowsNW) {
+          const void* rp[kRowsNW];
+          for (int j = 0; j < kRowsNW; ++j) {
+            int64_t col = std::min(pr * kBlockN + (c + j) % kBlockN, p.I - 1);  // clip: discarded later
+            int64_t wrow = (c + j) < kBlockN ? col : p.I + col;
+            rp[j] = w13e + wrow * p.H * wsz;
+          }
+          with_mr(m, [&](auto mr) {
+            constexpr int M = decltype(mr)::value;
+            if (p.w_dtype == kBF16) mk_rows<M, kBF16>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
+            else if (p.w_dtype == kF16) mk_rows<M, kF16>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
+            else mk_rows<M, kF32>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
+          });
+        }
+        for (int i = 0; i < m; ++i) {
+          float h[kBlockN];
+          silu_mul16(g + i * 2 * kBlockN, g + i * 2 * kBlockN + kBlockN, h);
+          if (round_bf16) round_act_bf16(h, kBlockN);
+          store_h(d, h, Hact.get(), row0 + i0 + i, pr * kBlockN);
+        }
+      }
+    }
+  });
+
+  // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
+  auto tasks2 = make_tasks(r, d.n_out_blocks, 2, threads);
+  pool.parallel_for(int64_t(tasks2.size()), threads, [&](int64_t ti, int worker) {
+    const Task& tk = tasks2[size_t(ti)];
+    const int64_t e = r.active[size_t(tk.a)];
+    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+    const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? d.bytes2 : p.H * p.I * wsz);
+    if (d.packed_path) {
+      if (use_tiles(p.w_dtype, rows)) tiles_begin();
+      for (int64_t nb = tk.b0; nb < tk.b1; nb += 2) {
+        const int nr = nb + 1 < tk.b1 ? 2 : 1;
+        const char* blocks = w2e + nb * d.block2;
+        if (!p.packed) {
+          char* s = scratch_for(worker);
+          pack_w2_blocks(w2e, p.w_dtype, p.H, p.I, nb, nb + nr, s);
+          blocks = s;
+        }
+        const void* B[2] = {blocks, blocks + (nr - 1) * d.block2};
+        auto epi = [&](int64_t r0, int m, const float* C, int64_t ldc) {
+          for (int i = 0; i < m; ++i)
+            std::memcpy(Y.get() + (row0 + r0 + i) * d.ldy + nb * kBlockN, C + i * ldc, size_t(nr * kBlockN * 4));
+        };
+        const void* A = Hact.get() + row0 * d.ldh * asz;
+        if (nr == 2) packed_rows<2>(p, rows, A, d.ldh, B, d.kh, epi);
+        else packed_rows<1>(p, rows, A, d.ldh, B, d.kh, epi);
+      }
+      if (use_tiles(p.w_dtype, rows)) tiles_end();
+      return;
+    }
+    const float* Hf = reinterpret_cast<const float*>(Hact.get()) + row0 * d.ldh;
+    for (int64_t nb = tk.b0; nb < tk.b1; ++nb) {
+      for (int64_t i0 = 0; i0 < rows; i0 += isa::kMR) {
+        const int m = int(std::min<int64_t>(isa::kMR, rows - i0));
+        float c[isa::kMR * kBlockN];
+        for (int64_t c0 = 0; c0 < kBlockN; c0 += kRowsNW) {
+          const void* rp[kRowsNW];
+          for (int j = 0; j < kRowsNW; ++j) rp[j] = w2e + std::min(nb * kBlockN + c0 + j, p.H - 1) * p.I * wsz;
+          with_mr(m, [&](auto mr) {
+            constexpr int M = decltype(mr)::value;
+            if (p.w_dtype == kBF16) mk_rows<M, kBF16>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
+            else if (p.w_dtype == kF16) mk_rows<M, kF16>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
+            else mk_rows<M, kF32>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
+          });
+        }
+        for (int i = 0; i < m; ++i)
+          std::memcpy(Y.get() + (row0 + i0 + i) * d.ldy + nb * kBlockN, c + i * kBlockN, kBlockN * 4);
+      }
+    }
+  });
+
+  // out[t] = sum_k w[t, k] * Y[pos(t, k)], in k order, then rounded once to x's dtype.
+  const int64_t tok_chunk = std::max<int64_t>(1, p.T / (4 * threads));
+  pool.parallel_for(ceil_div(p.T, tok_chunk), threads, [&](int64_t task, int) {
+    std::vector<float> acc(size_t(p.H));
+    for (int64_t t = task * tok_chunk; t < std::min(p.T, (task + 1) * tok_chunk); ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < p.K; ++k) {
+        const float w = p.topk_weights[t * p.K + k];
+        const float* y = Y.get() + r.pos[size_t(t * p.K + k)] * d.ldy;
+        for (int64_t j = 0; j < p.H; ++j) acc[size_t(j)] += w * y[j];
+      }
+      store_row(acc.data(), p.H, p.x_dtype, static_cast<char*>(p.out) + t * p.H * dtype_size(p.x_dtype));
+    }
+  });
+}
+
+}  // namespace HMOE_ISA
+}  // namespace hmoe

@@ -1,0 +1,12 @@
+// Entry point of the CPU MoE experts op for the ISA this translation unit is compiled for.
+#pragma once
+#include "experts/moe_params.h"
+
+namespace hmoe {
+namespace HMOE_ISA {
+
+// Computes p.out; throws std::invalid_argument for an expert id outside [0, E).
+void run_moe(const MoeParams& p);
+
+}  // namespace HMOE_ISA
+}  // namespace hmoe

@@ -1,0 +1,104 @@
+"""CPU detection: raw CPUID/XCR0/auxv from the baseline native module, read against arch/cpu.json."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import platform
+import struct
+
+from .. import _arch
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuInfo:
+    processor: str                 # key into arch/cpu.json "processors"
+    vendor: str
+    model: str
+    features: dict                 # feature name -> bool (names from arch/cpu.json)
+    xcr0: int                      # 0 when unknown / not x86
+    amx_permission: str | None     # "granted", a reason, or None when not asked
+    simulated: bool = False
+
+    def os_enabled(self, bit_names) -> list[str]:
+        """The XCR0 state components among bit_names that the OS has NOT enabled."""
+        bits = _arch.load("cpu")["processors"][self.processor].get("xcr0_bits", {})
+        return [b for b in bit_names if not (self.xcr0 >> bits[b]) & 1]
+
+
+def processor() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _brand(core) -> tuple[str, str]:
+    vendor_regs = core.cpuid(0, 0)
+    vendor = struct.pack("<III", vendor_regs[1], vendor_regs[3], vendor_regs[2]).decode(
+        "ascii", "replace").strip("\0")
+    parts = []
+    if core.cpuid(0x80000000, 0)[0] >= 0x80000004:
+        for leaf in (0x80000002, 0x80000003, 0x80000004):
+            parts.append(struct.pack("<IIII", *core.cpuid(leaf, 0)))
+    model = b"".join(parts).decode("ascii", "replace").strip("\0").strip()
+    return vendor, model
+
+
+@functools.lru_cache(maxsize=2)
+def cpu_info(request_amx: bool = False) -> CpuInfo:
+    """This machine's CPU. With request_amx, asks the kernel for AMX tile permission (a
+    per-process, one-way grant) when the CPU has AMX."""
+    from .._native import load
+    from .._native.signatures import CPU_CORE
+
+    proc = processor()
+    table = _arch.load("cpu")["processors"].get(proc)
+    if table is None:
+        return CpuInfo(proc, "unknown", platform.processor(), {}, 0, None)
+    core = load("cpu_core", CPU_CORE)
+    features = {}
+    if proc == "x86_64":
+        leaves = {}
+        for name, (leaf, sub, reg, bit) in table["features"].items():
+            regs = leaves.setdefault((leaf, sub), core.cpuid(leaf, sub))
+            features[name] = bool((regs["eax ebx ecx edx".split().index(reg)] >> bit) & 1)
+        vendor, model = _brand(core)
+        xcr0 = core.xcr0()
+        amx = None
+        if request_amx and features.get("amx_tile"):
+            amx = core.request_amx_permission()
+        return CpuInfo(proc, vendor, model, features, xcr0, amx)
+    hw = core.hwcap()
+    for name, (word, bit) in table["features"].items():
+        features[name] = bool((hw[0 if word == "hwcap" else 1] >> bit) & 1)
+    return CpuInfo(proc, "unknown", platform.processor() or proc, features, 0, None)
+
+
+def levels(proc: str | None = None) -> list[dict]:
+    """ISA levels of a processor from arch/cpu.json, lowest first."""
+    return _arch.load("cpu")["processors"].get(proc or processor(), {}).get("levels", [])
+
+
+def missing_requirements(level: dict, info: CpuInfo) -> list[str]:
+    """What `info` lacks to run `level` (empty when it can run it)."""
+    req = level.get("requires", {})
+    missing = [f"cpuid:{f}" for f in req.get("cpuid", []) if not info.features.get(f)]
+    missing += [f"hwcap:{f}" for f in req.get("hwcap", []) if not info.features.get(f)]
+    if req.get("xcr0"):
+        missing += [f"os-xsave:{b}" for b in info.os_enabled(req["xcr0"])]
+    perm = req.get("permission")
+    if perm == "amx_tiledata" and not missing and info.amx_permission != "granted":
+        missing.append(f"permission:amx_tiledata ({info.amx_permission or 'not requested'})")
+    return missing
+
+
+def simulated(level_name: str, proc: str | None = None) -> CpuInfo:
+    """A CPU that has exactly what `level_name` requires (for compat --simulate-cpu)."""
+    proc = proc or processor()
+    lv = {lv["name"]: lv for lv in levels(proc)}
+    if level_name not in lv:
+        raise ValueError(f"unknown ISA level {level_name!r} for {proc}; known: {sorted(lv)}")
+    req = lv[level_name].get("requires", {})
+    feats = {f: True for f in req.get("cpuid", []) + req.get("hwcap", [])}
+    bits = _arch.load("cpu")["processors"][proc].get("xcr0_bits", {})
+    xcr0 = sum(1 << bits[b] for b in req.get("xcr0", []))
+    perm = "granted" if req.get("permission") else None
+    return CpuInfo(proc, "simulated", f"simulated {level_name}", feats, xcr0, perm, True)

@@ -1,0 +1,46 @@
+"""hmoe.CPUExperts: routed experts with weights prepacked once for the selected CPU ISA."""
+from __future__ import annotations
+
+from . import validation as V
+from ._dtypes import code
+from ._threads import get_num_threads
+from .ops import experts as _experts
+
+
+class CPUExperts:
+    """CPUExperts(w13, w2, *, isa=None)(x, topk_ids, topk_weights) -> [T, H] in x.dtype.
+
+    Same math and precision contract as hmoe.ops.moe_experts_cpu, with w13 [E, 2I, H] and
+    w2 [E, H, I] repacked at construction into the blocked layout the kernels stream (the
+    originals are not kept: drop your references to free them). Calls are thread-safe.
+    """
+
+    def __init__(self, w13, w2, *, isa: str | None = None):
+        torch = V.torch_module()
+        self.num_experts, self.hidden_size, self.intermediate_size = _experts.check_weights(w13, w2)
+        self.selection = _experts.select(isa)
+        self.dtype = w13.dtype
+        mod = _experts.module(self.selection)
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        b13, b2 = mod.packed_bytes(code(self.dtype), H, I)
+        self._w13 = torch.empty(E * b13, dtype=torch.uint8)
+        self._w2 = torch.empty(E * b2, dtype=torch.uint8)
+        mod.pack_weights(w13.data_ptr(), w2.data_ptr(), code(self.dtype), E, H, I,
+                         self._w13.data_ptr(), self._w2.data_ptr(), get_num_threads())
+
+    @property
+    def isa(self) -> str:
+        return self.selection.variant
+
+    @property
+    def packed_bytes(self) -> int:
+        return self._w13.numel() + self._w2.numel()
+
+    def __call__(self, x, topk_ids, topk_weights):
+        T, K = _experts.check_tokens(x, topk_ids, topk_weights, self.num_experts, self.hidden_size)
+        return _experts.run(self.selection, x, topk_ids, topk_weights, self._w13, self._w2, True,
+                            self.num_experts, self.hidden_size, self.intermediate_size, self.dtype)
+
+    def __repr__(self):
+        return (f"CPUExperts(E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, "
+                f"dtype={str(self.dtype).replace('torch.', '')}, isa={self.isa!r})")

@@ -1,0 +1,59 @@
+"""Bad input to moe_experts_cpu / CPUExperts: a clear error naming the argument, never a crash."""
+import pytest
+import torch
+
+import hmoe
+
+from .experts_reference import random_problem
+
+
+def good():
+    return random_problem(4, 16, 8, 3, 2, torch.float32, torch.bfloat16)
+
+
+def call(x, ids, w, w13, w2):
+    return hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.__setitem__(0, a[0].numpy()), TypeError, "x must be a torch.Tensor"),
+    (lambda a: a.__setitem__(0, a[0].double()), TypeError, "x must have dtype"),
+    (lambda a: a.__setitem__(0, a[0][None]), ValueError, "x must be 2-D"),
+    (lambda a: a.__setitem__(0, a[0][:, :15].contiguous()), ValueError, "x has shape"),
+    (lambda a: a.__setitem__(0, torch.randn(16, 4).T), ValueError, "x must be contiguous"),
+    (lambda a: a.__setitem__(1, a[1].float()), TypeError, "topk_ids must have dtype"),
+    (lambda a: a.__setitem__(1, a[1][:3]), ValueError, "topk_ids has 3 rows"),
+    (lambda a: a.__setitem__(1, a[1] + 3), ValueError, "topk_ids holds"),
+    (lambda a: a.__setitem__(1, a[1] - 5), ValueError, "topk_ids holds -"),
+    (lambda a: a.__setitem__(1, a[1][:, :0]), ValueError, "top-k must be at least 1"),
+    (lambda a: a.__setitem__(2, a[2].half()), TypeError, "topk_weights must have dtype"),
+    (lambda a: a.__setitem__(2, a[2][:, :1].contiguous()), ValueError, "topk_weights has shape"),
+    (lambda a: a.__setitem__(3, a[3].float()), TypeError, "w13 and w2 must share a dtype"),
+    (lambda a: a.__setitem__(3, a[3][:, :15].contiguous()), ValueError, "w13 has shape"),
+    (lambda a: a.__setitem__(3, a[3][:2]), ValueError, "w2 has shape"),
+    (lambda a: a.__setitem__(4, a[4][:, :, :7].contiguous()), ValueError, "w2 has shape"),
+    (lambda a: a.__setitem__(4, a[4].transpose(1, 2)), ValueError, "w2"),
+    (lambda a: a.__setitem__(3, a[3].int()), TypeError, "w13 must have dtype"),
+    (lambda a: a.__setitem__(3, a[3][0]), ValueError, "w13 must be 3-D"),
+])
+def test_bad_input(mutate, exc, match):
+    args = list(good())
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        call(*args)
+
+
+def test_cpuexperts_bad_input():
+    x, ids, w, w13, w2 = good()
+    experts = hmoe.CPUExperts(w13, w2)
+    with pytest.raises(ValueError, match="x has shape"):
+        experts(x[:, :8].contiguous(), ids, w)
+    with pytest.raises(ValueError, match="topk_ids holds 3"):
+        experts(x, torch.full_like(ids, 3), w)
+    with pytest.raises(TypeError, match="w13 must be a torch.Tensor"):
+        hmoe.CPUExperts(None, w2)
+
+
+def test_unknown_isa():
+    with pytest.raises(ValueError, match="known levels"):
+        hmoe.ops.moe_experts_cpu(*good(), isa="avx1024")
