@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a GPU machine: build and install hmoe (every CUDA target), run the whole test suite
+# (GPU tests included) and the benchmarks, writing logs to the folder given as $1.
+#   usage: bash ci/gpu_check.sh OUTDIR [bench args...]
+set -uo pipefail
+out=${1:?usage: ci/gpu_check.sh OUTDIR}
+shift || true
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+status=0
+
+step() {  # step NAME CMD...: runs CMD, tees its log, remembers a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1; cat "$out/gpu.txt"
+lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200 > "$out/cpu.txt"; cat "$out/cpu.txt"
+
+step build env HMOE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  python3 -m pip install --no-build-isolation --no-deps -v . || { echo "build failed"; exit 1; }
+step tests python3 -m pytest tests -q -rs -p no:cacheprovider
+step bench_experts python3 -m hmoe.bench experts --json "$out/bench_experts.json" "$@"
+exit $status
