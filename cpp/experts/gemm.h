@@ -80,9 +80,15 @@ inline void mk_rows(const float* A, int64_t lda, const void* const* rows, int64_
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < kRowsNW; ++j) acc[i][j] = isa::vzero();
   const int64_t kv = kd / 16 * 16;
+  constexpr int64_t kEsz = WD == kF32 ? 4 : 2;
   for (int64_t k = 0; k < kv; k += 16) {
     V b[kRowsNW];
-    for (int j = 0; j < kRowsNW; ++j) b[j] = load_row16<WD>(rows[j], k);
+    for (int j = 0; j < kRowsNW; ++j) {
+      // Rows are separate streams that often start on a new page, where hardware
+      // prefetchers restart: fetch ahead explicitly.
+      __builtin_prefetch(static_cast<const char*>(rows[j]) + (k + 16 * 32 / kEsz) * kEsz);
+      b[j] = load_row16<WD>(rows[j], k);
+    }
     for (int i = 0; i < MR; ++i) {
       V a = isa::vload(A + i * lda + k);
       for (int j = 0; j < kRowsNW; ++j) acc[i][j] = isa::vfma(a, b[j], acc[i][j]);
