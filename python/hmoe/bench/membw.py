@@ -1,0 +1,182 @@
+# Machine facts the benchmarks normalise against: memory copy bandwidth, last-level cache, free memory.
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+GIB = 1 << 30
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # non-Linux fallback: free pages are a lower bound of what is available
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def mem_total_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+def llc_bytes() -> int:
+    """Size of the largest (last-level) cache cpu0 sees; 32 MiB when sysfs does not say."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for entry in os.listdir(base):
+            if not entry.startswith("index"):
+                continue
+            try:
+                with open(os.path.join(base, entry, "size")) as f:
+                    best = max(best, _parse_size(f.read()))
+            except (OSError, ValueError):
+                continue
+    except OSError:
+        pass
+    return best or 32 << 20
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_busy_fraction(interval: float = 0.5) -> float | None:
+    """Share of all CPUs' time spent non-idle over `interval` s, from /proc/stat, before this
+    process starts working: other load on the machine makes every timing below unreliable."""
+    def sample():
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0)  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+class OtherLoad:
+    """Share of all CPUs' time used by other processes (or stolen by the hypervisor) since
+    construction: /proc/stat non-idle time minus this process's own CPU time. On a shared
+    machine this is what turns a 5 ms call into 300 ms; None where it cannot be measured."""
+
+    def __init__(self):
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                vals = [int(v) for v in f.readline().split()[1:9]]  # user .. steal; guest is inside user
+        except (OSError, ValueError):
+            return None
+        own = os.times()
+        return sum(vals), vals[3] + vals[4], own.user + own.system
+
+    def fraction(self, min_cpu_s: float = 0.2) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        cpu_s = (end[0] - self._start[0]) / tick
+        if cpu_s <= 0 or cpu_s < min_cpu_s:  # too few clock ticks to say anything
+            return None
+        busy = cpu_s - (end[1] - self._start[1]) / tick
+        return min(1.0, max(0.0, (busy - (end[2] - self._start[2])) / cpu_s))
+
+
+def copy_buffer_bytes(requested: int | None = None) -> int:
+    """>= 1 GiB and >= 8x the last-level cache, so the copy measures DRAM and not cache;
+    halved while two such buffers (plus 1 GiB slack) would not fit in MemAvailable."""
+    if requested:
+        return requested
+    nbytes = max(GIB, 8 * llc_bytes())
+    avail = mem_available_bytes()
+    while avail and nbytes > (64 << 20) and 2 * nbytes + GIB > avail:
+        nbytes //= 2
+    return nbytes
+
+
+def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
+    """Bandwidth of a large multi-threaded buffer copy (torch's copy_ is parallelised over its
+    intra-op threads). GB/s counts bytes read + bytes written (2x the buffer), GB = 1e9 B."""
+    import torch
+
+    nbytes = copy_buffer_bytes(nbytes)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        n = nbytes // 4
+        src = torch.empty(n, dtype=torch.float32)
+        src.uniform_(-1.0, 1.0)  # real data; untouched pages would be the shared zero page
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first touch of dst pays page faults: keep that out of the timing
+        times = []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        used_threads = torch.get_num_threads()
+        del src, dst
+    finally:
+        torch.set_num_threads(old_threads)
+    med = statistics.median(times)
+    return {
+        "method": "torch Tensor.copy_ of one contiguous fp32 buffer into another",
+        "bytes_buffer": n * 4,
+        "bytes_counted_per_copy": 2 * n * 4,
+        "counts": "bytes read + bytes written",
+        "threads": used_threads,
+        "repeats": len(times),
+        "ms_median": med * 1e3,
+        "gbps": 2 * n * 4 / med / 1e9,
+        "gbps_best": 2 * n * 4 / min(times) / 1e9,
+    }
+
+
+class CacheFlusher:
+    """Copies a buffer of 2x the last-level cache between timed calls, so a call does not find
+    the previous call's expert weights still cached (a real model runs other layers between)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        if enabled:
+            import torch
+
+            n = max(64 << 20, 2 * llc_bytes()) // 4
+            self._src = torch.ones(n, dtype=torch.float32)
+            self._dst = torch.empty_like(self._src)
+
+    def __call__(self) -> None:
+        if self.enabled:
+            self._dst.copy_(self._src)
