@@ -27,7 +27,7 @@ class ThreadPool {
 
  private:
   void ensure_workers(int n);
-  void worker_loop(int id);
+  void worker_loop(int id, uint64_t seen);
   void run_tasks(int worker);
 
   std::mutex submit_mu_;  // one job at a time
@@ -36,9 +36,10 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   int owner_pid_ = -1;  // process that started workers_
   bool stop_ = false;
-  uint64_t generation_ = 0;
-  int active_workers_ = 0;    // workers (excluding caller) taking part in this job
-  int running_ = 0;           // workers still inside the current job
+  // Written under mu_; atomic so that spinning threads can read them without the lock.
+  std::atomic<uint64_t> generation_{0};
+  int active_workers_ = 0;        // workers (excluding caller) taking part in this job
+  std::atomic<int> running_{0};   // workers still inside the current job
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_{0};

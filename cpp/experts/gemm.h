@@ -13,24 +13,44 @@ namespace HMOE_ISA {
 
 using isa::V;
 
+// Accumulator sets per output tile: few rows leave too few independent FMA chains to hide
+// the FMA latency, so those tiles split the reduction over two sets of accumulators.
+template <int MR, int NR>
+constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
+
+// Distance of the software prefetch on each weight stream, in bytes. Blocks are 64 KB-ish
+// streams that cross a page every 4 KB, where hardware prefetchers restart.
+constexpr int64_t kPrefetchBytes = 1024;
+
 // C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (moe_params.h layout).
 // Activations A are bf16 (u16, row stride lda) for bf16 weights, else fp32.
 template <int MR, int NR>
 inline void mk_packed_bf16(const uint16_t* A, int64_t lda, const uint16_t* const* B, int64_t kpad,
                            float* C, int64_t ldc) {
-  V acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = isa::vzero();
-  for (int64_t kp = 0; kp < kpad / 2; ++kp) {
-    isa::BPair b[NR];
-    for (int j = 0; j < NR; ++j) b[j] = isa::load_bpair(B[j] + kp * 32);
-    for (int i = 0; i < MR; ++i) {
-      isa::APair a = isa::bcast_apair(A + i * lda + 2 * kp);
-      for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot_pair(acc[i][j], a, b[j]);
+  constexpr int U = kSplitK<MR, NR>;
+  V acc[U][MR][NR];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[u][i][j] = isa::vzero();
+  for (int64_t kp = 0; kp < kpad / 2; kp += U) {  // kpad / 2 is a multiple of 16
+    for (int u = 0; u < U; ++u) {
+      isa::BPair b[NR];
+      for (int j = 0; j < NR; ++j) {
+        __builtin_prefetch(reinterpret_cast<const char*>(B[j] + (kp + u) * 32) + kPrefetchBytes);
+        b[j] = isa::load_bpair(B[j] + (kp + u) * 32);
+      }
+      for (int i = 0; i < MR; ++i) {
+        isa::APair a = isa::bcast_apair(A + i * lda + 2 * (kp + u));
+        for (int j = 0; j < NR; ++j) acc[u][i][j] = isa::dot_pair(acc[u][i][j], a, b[j]);
+      }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) isa::vstore(C + i * ldc + j * 16, acc[i][j]);
+    for (int j = 0; j < NR; ++j) {
+      V sum = acc[0][i][j];
+      for (int u = 1; u < U; ++u) sum = isa::vadd(sum, acc[u][i][j]);
+      isa::vstore(C + i * ldc + j * 16, sum);
+    }
 }
 
 template <typename W>
@@ -42,19 +62,32 @@ inline V load_w16<uint16_t>(const uint16_t* p) { return isa::vload_f16(p); }  //
 
 template <int MR, int NR, typename W>
 inline void mk_packed_f(const float* A, int64_t lda, const W* const* B, int64_t kd, float* C, int64_t ldc) {
-  V acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = isa::vzero();
-  for (int64_t k = 0; k < kd; ++k) {
+  constexpr int U = kSplitK<MR, NR>;
+  V acc[U][MR][NR];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[u][i][j] = isa::vzero();
+  auto step = [&](int u, int64_t k) {
     V b[NR];
-    for (int j = 0; j < NR; ++j) b[j] = load_w16(B[j] + k * 16);
+    for (int j = 0; j < NR; ++j) {
+      __builtin_prefetch(reinterpret_cast<const char*>(B[j] + k * 16) + kPrefetchBytes);
+      b[j] = load_w16(B[j] + k * 16);
+    }
     for (int i = 0; i < MR; ++i) {
       V a = isa::vbcast(A[i * lda + k]);
-      for (int j = 0; j < NR; ++j) acc[i][j] = isa::vfma(a, b[j], acc[i][j]);
+      for (int j = 0; j < NR; ++j) acc[u][i][j] = isa::vfma(a, b[j], acc[u][i][j]);
     }
-  }
+  };
+  const int64_t kmain = kd / U * U;
+  for (int64_t k = 0; k < kmain; k += U)
+    for (int u = 0; u < U; ++u) step(u, k + u);
+  for (int64_t k = kmain; k < kd; ++k) step(0, k);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) isa::vstore(C + i * ldc + j * 16, acc[i][j]);
+    for (int j = 0; j < NR; ++j) {
+      V sum = acc[0][i][j];
+      for (int u = 1; u < U; ++u) sum = isa::vadd(sum, acc[u][i][j]);
+      isa::vstore(C + i * ldc + j * 16, sum);
+    }
 }
 
 // Row-major (unpacked) weights, for decode: C[i][r] = dot(A[i, :kd], W row r) for MR rows of

@@ -18,6 +18,7 @@ inline V vbcast(float s) { __m256 v = _mm256_set1_ps(s); return {v, v}; }
 inline V vfma(const V& x, const V& y, const V& c) {
   return {_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)};
 }
+inline V vadd(const V& x, const V& y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline float vsum(const V& x) {
   __m256 s = _mm256_add_ps(x.a, x.b);
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));

@@ -13,6 +13,7 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V vbcast(float a) { return _mm512_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
 inline V vload_f16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -21,6 +21,7 @@ inline V vbcast(float a) { V r; for (int i = 0; i < 16; ++i) r.v[i] = a; return 
 inline V vfma(const V& a, const V& b, const V& c) {
   V r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r;
 }
+inline V vadd(const V& a, const V& b) { V r; for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
 inline float vsum(const V& a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.v[i]; return s; }
 inline V vload_f16(const uint16_t* p) { V r; for (int i = 0; i < 16; ++i) r.v[i] = f16_to_f32(p[i]); return r; }
 inline V vload_bf16(const uint16_t* p) { V r; for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_f32(p[i]); return r; }
