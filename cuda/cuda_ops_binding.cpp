@@ -1,9 +1,11 @@
-// Python module hmoe._native.cuda_ops (portable kernels: SASS per SM target + PTX): grouped_topk.
+// Python module hmoe._native.cuda_ops (portable kernels: SASS per SM target + PTX):
+// grouped_topk and mla_decode.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 
 #include "common/abi.h"
+#include "mla/mla_decode.h"
 #include "topk/grouped_topk.h"
 
 namespace py = pybind11;
@@ -14,6 +16,13 @@ namespace py = pybind11;
   "ids:ptr, num_tokens:i64, num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, "     \
   "scoring:i32, renormalize:bool, routed_scaling_factor:f32, device:i32, stream:ptr) -> None"
 #define HMOE_PREWARM_CUDA_SIG "prewarm(device:i32) -> None"
+#define HMOE_MLA_DECODE_SIG                                                                    \
+  "mla_decode(q_nope:ptr, q_pe:ptr, ckv:ptr, kpe:ptr, page_table:ptr, seq_lens:ptr, out:ptr, " \
+  "lse:ptr, partial_o:ptr, partial_lse:ptr, batch:i32, heads:i32, page_size:i32, "              \
+  "max_pages:i32, num_pages:i32, num_splits:i32, dtype:i32, sm_scale:f32, device:i32, "       \
+  "stream:ptr) -> None"
+#define HMOE_MLA_PLAN_SIG \
+  "mla_decode_plan(device:i32, batch:i32, heads:i32, max_pages:i32, page_size:i32) -> (num_splits, heads_per_cta, tile_tokens, smem_bytes)"
 
 PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   m.doc() = "hmoe portable CUDA kernels (no libtorch; static CUDA runtime)";
@@ -22,6 +31,8 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     py::dict d;
     d["grouped_topk"] = HMOE_GROUPED_TOPK_CUDA_SIG;
     d["prewarm"] = HMOE_PREWARM_CUDA_SIG;
+    d["mla_decode"] = HMOE_MLA_DECODE_SIG;
+    d["mla_decode_plan"] = HMOE_MLA_PLAN_SIG;
     return d;
   });
   // Pointers and the stream arrive as integers (data_ptr(), Stream.cuda_stream); Python has
@@ -41,9 +52,31 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
           // std::invalid_argument -> ValueError, std::runtime_error -> RuntimeError
           hmoe::grouped_topk_cuda(p, device, stream);
         });
-  // Loads every kernel of this module on `device` (first eager call, or hmoe.prewarm()).
+  m.def("mla_decode",
+        [](uintptr_t q_nope, uintptr_t q_pe, uintptr_t ckv, uintptr_t kpe, uintptr_t page_table,
+           uintptr_t seq_lens, uintptr_t out, uintptr_t lse, uintptr_t partial_o, uintptr_t partial_lse,
+           int32_t batch, int32_t heads, int32_t page_size, int32_t max_pages, int32_t num_pages,
+           int32_t num_splits, int32_t dtype, float sm_scale, int32_t device, uintptr_t stream) {
+          hmoe::MlaDecodeParams p{reinterpret_cast<const void*>(q_nope), reinterpret_cast<const void*>(q_pe),
+                                  reinterpret_cast<const void*>(ckv), reinterpret_cast<const void*>(kpe),
+                                  reinterpret_cast<const int32_t*>(page_table),
+                                  reinterpret_cast<const int32_t*>(seq_lens), reinterpret_cast<void*>(out),
+                                  reinterpret_cast<float*>(lse), reinterpret_cast<float*>(partial_o),
+                                  reinterpret_cast<float*>(partial_lse), batch, heads, page_size, max_pages,
+                                  num_pages, num_splits, dtype, sm_scale};
+          py::gil_scoped_release nogil;
+          hmoe::mla_decode_portable(p, device, stream);
+        });
+  m.def("mla_decode_plan", [](int32_t device, int32_t batch, int32_t heads, int32_t max_pages, int32_t page_size) {
+    hmoe::MlaConfig c = hmoe::mla_decode_config(device, heads);
+    int splits = hmoe::mla_decode_num_splits(device, batch, heads, max_pages, page_size);
+    return py::make_tuple(splits, c.heads_per_cta, c.tile_tokens, c.smem_bytes);
+  });
+  // Loads every kernel of this module on `device` and sets their shared-memory limits (first
+  // eager call, or hmoe.prewarm()): nothing of this may happen inside graph capture.
   m.def("prewarm", [](int32_t device) {
     py::gil_scoped_release nogil;
     hmoe::grouped_topk_cuda_prewarm(device);
+    hmoe::mla_decode_prewarm(device);
   });
 }

@@ -10,6 +10,7 @@ _LAZY = {
     "set_num_threads": ("hmoe._threads", "set_num_threads"),
     "get_num_threads": ("hmoe._threads", "get_num_threads"),
     "ops": ("hmoe.ops", None),
+    "prewarm": ("hmoe._prewarm", "prewarm"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

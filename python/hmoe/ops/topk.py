@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 
-from .. import _arch, _dtypes, validation as V
+from .. import _dtypes, validation as V
+from . import _cuda
 from .._native import load
 from .._native.signatures import CPU_CORE, CUDA_OPS
 
@@ -18,8 +18,6 @@ _SCORING_CODES = {"softmax": 0, "sigmoid": 1}
 MAX_EXPERTS = 4096
 _F32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
-_warm_lock = threading.Lock()
-_warm_devices: set[int] = set()
 
 
 def _int_arg(name: str, value) -> int:
@@ -98,37 +96,9 @@ def _validate(torch, router_logits, top_k, n_group, topk_group, scoring, bias, r
     return top_k, n_group, topk_group, rsf
 
 
-def _check_cuda_device(index: int) -> None:
-    torch = V.torch_module()
-    cc = torch.cuda.get_device_capability(index)
-    need = tuple(_arch.load("gpu")["min_compute_capability"])
-    if tuple(cc) < need:
-        raise RuntimeError(f"grouped_topk: cuda:{index} has compute capability "
-                           f"{cc[0]}.{cc[1]}; hmoe's CUDA kernels need >= {need[0]}.{need[1]} "
-                           "(move the tensors to the CPU to use the CPU variant)")
-
-
 def prewarm_cuda(index: int) -> None:
-    """Load cuda_ops' kernels on cuda:<index> (what the first eager call does), so that later
-    calls, including under CUDA-graph capture, do no lazy work."""
-    with _warm_lock:
-        if index in _warm_devices:
-            return
-        _check_cuda_device(index)
-        load("cuda_ops", CUDA_OPS).prewarm(index)
-        _warm_devices.add(index)
-
-
-def _cuda_module(torch, index: int):
-    if index not in _warm_devices:
-        with torch.cuda.device(index):
-            capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
-            raise RuntimeError(f"grouped_topk: first use on cuda:{index} inside CUDA-graph "
-                               "capture; loading the kernel then would break the capture. Call "
-                               "hmoe.prewarm() or run grouped_topk once eagerly before capturing")
-        prewarm_cuda(index)
-    return load("cuda_ops", CUDA_OPS)
+    """Load cuda_ops' kernels on cuda:<index> (what the first eager call does)."""
+    _cuda.prewarm(index, "grouped_topk")
 
 
 def grouped_topk(router_logits, top_k, *, n_group=1, topk_group=1, scoring="softmax",
@@ -172,7 +142,7 @@ def grouped_topk(router_logits, top_k, *, n_group=1, topk_group=1, scoring="soft
         load("cpu_core", CPU_CORE).grouped_topk(*args)
     else:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        mod = _cuda_module(torch, index)
+        mod = _cuda.module(torch, index, "grouped_topk")
         stream = torch.cuda.current_stream(index).cuda_stream
         mod.grouped_topk(*args, index, stream)
     return weights, ids

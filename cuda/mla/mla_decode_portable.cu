@@ -1,0 +1,429 @@
+// Portable MLA decode (absorbed form) for sm_80 and newer: mma.sync m16n8k16, cp.async double
+// buffering, paged KV, split-KV with fp32 partials and a combine kernel.
+//
+// One CTA = (KV split, 16 * HG heads, request). Warp w: head group hg = w / 4, quarter
+// q = w % 4. Per KV tile of TILE tokens:
+//   S = Q K^T      warp (hg, q): 16 heads x TILE/4 tokens, over 576 dims
+//   softmax        warp (hg, q): 4 heads x TILE tokens, online (log2 domain)
+//   O += P V       warp (hg, q): 16 heads x 128 latent dims, fp32 in registers
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/dtype.h"
+#include "mla/mla_decode.h"
+
+namespace hmoe {
+namespace {
+
+constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
+constexpr int kRow = kDim + 8;                // smem row (+16 B: ldmatrix rows hit distinct banks)
+constexpr int kChunksCkv = kMlaDimCkv / 8;    // 16-byte chunks per row
+constexpr int kChunksRow = kDim / 8;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int HG, int TILE>
+struct Smem {
+  static constexpr int kHeads = 16 * HG;
+  static constexpr int kSRow = TILE + 4;   // fp32 scores
+  static constexpr int kPRow = TILE + 8;   // 16-bit probabilities (+16 B for ldmatrix)
+  static constexpr int q = 0;
+  static constexpr int kv = q + kHeads * kRow * 2;
+  static constexpr int s = kv + 2 * TILE * kRow * 2;
+  static constexpr int p = s + kHeads * kSRow * 4;
+  static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
+  static constexpr int bytes = stats + 3 * kHeads * 4;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 fills the destination with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  T lo = from_float<T>(a), hi = from_float<T>(b);
+  return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+}
+
+__device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
+  int len = p.seq_lens[b];
+  return min(max(len, 0), p.max_pages * p.page_size);
+}
+
+// Issues the cp.async copies of KV tile `tile` (tokens tile*TILE ...) into `dst`. Rows past
+// the sequence, and rows whose page id is out of range, are zero-filled: masked scores are
+// -inf, but 0 * NaN from stale cache rows in P V would still poison the output.
+template <typename T, int TILE, int NT>
+__device__ __forceinline__ void load_kv_tile(const MlaDecodeParams& p, int b, int len, int tile, T* dst) {
+  const T* ckv = static_cast<const T*>(p.ckv);
+  const T* kpe = static_cast<const T*>(p.kpe);
+  for (int i = threadIdx.x; i < TILE * kChunksRow; i += NT) {
+    const int r = i / kChunksRow, c = i % kChunksRow;
+    const int tok = tile * TILE + r;
+    const T* src = ckv;
+    int bytes = 0;
+    if (tok < len) {
+      const int page = p.page_table[int64_t(b) * p.max_pages + tok / p.page_size];
+      if (page >= 0 && page < p.num_pages) {
+        const int64_t slot = int64_t(page) * p.page_size + tok % p.page_size;
+        src = c < kChunksCkv ? ckv + slot * kMlaDimCkv + c * 8 : kpe + slot * kMlaDimPe + (c - kChunksCkv) * 8;
+        bytes = 16;
+      }
+    }
+    cp_async16(dst + r * kRow + c * 8, src, bytes);
+  }
+}
+
+template <typename T, int HG, int TILE>
+__global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecodeParams p) {
+  using L = Smem<HG, TILE>;
+  constexpr int NT = 128 * HG;
+  constexpr int kHeads = L::kHeads;
+  constexpr int kTokW = TILE / 4;   // tokens per warp in S
+  constexpr int kSN8 = kTokW / 8;   // n8 tiles per warp in S
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* q_s = reinterpret_cast<T*>(smem + L::q);
+  T* kv_s = reinterpret_cast<T*>(smem + L::kv);
+  float* s_s = reinterpret_cast<float*>(smem + L::s);
+  T* p_s = reinterpret_cast<T*>(smem + L::p);
+  float* m_s = reinterpret_cast<float*>(smem + L::stats);
+  float* l_s = m_s + kHeads;
+  float* a_s = l_s + kHeads;
+
+  const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hg = warp / 4, wq = warp % 4;
+  const int len = clamp_len(p, b);
+  const int n_tiles = (len + TILE - 1) / TILE;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
+
+  // Q rows (zero rows past the last head), then the first KV tile: one commit group.
+  {
+    const T* qn = static_cast<const T*>(p.q_nope);
+    const T* qp = static_cast<const T*>(p.q_pe);
+    for (int i = threadIdx.x; i < kHeads * kChunksRow; i += NT) {
+      const int r = i / kChunksRow, c = i % kChunksRow, h = head0 + r;
+      const T* src = qn;
+      int bytes = 0;
+      if (h < p.heads) {
+        const int64_t bh = int64_t(b) * p.heads + h;
+        src = c < kChunksCkv ? qn + bh * kMlaDimCkv + c * 8 : qp + bh * kMlaDimPe + (c - kChunksCkv) * 8;
+        bytes = 16;
+      }
+      cp_async16(q_s + r * kRow + c * 8, src, bytes);
+    }
+  }
+  if (t0 < t1) load_kv_tile<T, TILE, NT>(p, b, len, t0, kv_s);
+  cp_async_commit();
+  if (threadIdx.x < kHeads) {
+    m_s[threadIdx.x] = -INFINITY;
+    l_s[threadIdx.x] = 0.f;
+  }
+
+  float o[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  const float scale = p.sm_scale * kLog2e;
+
+  for (int t = t0; t < t1; ++t) {
+    const T* kv = kv_s + ((t - t0) & 1) * TILE * kRow;
+    cp_async_wait<0>();  // tile t (the only group in flight)
+    // After this barrier tile t is visible and every warp has left iteration t - 1, so the
+    // other buffer is free for tile t + 1, which then loads while this one is computed.
+    __syncthreads();
+    if (t + 1 < t1) {
+      load_kv_tile<T, TILE, NT>(p, b, len, t + 1, kv_s + ((t + 1 - t0) & 1) * TILE * kRow);
+      cp_async_commit();
+    }
+
+    // S = Q K^T for 16 heads x kTokW tokens of this warp.
+    float s[kSN8][4];
+#pragma unroll
+    for (int j = 0; j < kSN8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const T* qa = q_s + (hg * 16 + (lane & 15)) * kRow + (lane >> 4) * 8;
+#pragma unroll 4
+    for (int k0 = 0; k0 < kDim; k0 += 16) {
+      uint32_t a[4];
+      ldmatrix_x4(a, qa + k0);
+#pragma unroll
+      for (int j = 0; j < kSN8; ++j) {
+        uint32_t bk[2];
+        ldmatrix_x2(bk, kv + (wq * kTokW + j * 8 + (lane & 7)) * kRow + k0 + ((lane >> 3) & 1) * 8);
+        mma16816<T>(s[j], a, bk);
+      }
+    }
+    // Scaled scores (log2 domain) to shared memory; tokens past the sequence are -inf.
+#pragma unroll
+    for (int j = 0; j < kSN8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = hg * 16 + lane / 4 + (e / 2) * 8;
+        const int col = wq * kTokW + j * 8 + (lane % 4) * 2 + (e % 2);
+        s_s[row * L::kSRow + col] = (t * TILE + col < len) ? s[j][e] * scale : -INFINITY;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax: this warp's 4 heads.
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int row = hg * 16 + wq * 4 + rr;
+      constexpr int kPer = TILE / 32;
+      float v[kPer];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) {
+        v[c] = s_s[row * L::kSRow + lane * kPer + c];
+        mx = fmaxf(mx, v[c]);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = m_s[row];
+      const float m_new = fmaxf(m_old, mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: p = 0
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) {
+        const float e = exp2f(v[c] - m_use);
+        sum += e;
+        p_s[row * L::kPRow + lane * kPer + c] = from_float<T>(e);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      __syncwarp();
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - m_use);
+        l_s[row] = l_s[row] * alpha + sum;
+        m_s[row] = m_new;
+        a_s[row] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // O = alpha * O + P V for 16 heads x 128 latent dims of this warp.
+    const float al0 = a_s[hg * 16 + lane / 4], al1 = a_s[hg * 16 + lane / 4 + 8];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[j][0] *= al0;
+      o[j][1] *= al0;
+      o[j][2] *= al1;
+      o[j][3] *= al1;
+    }
+    const T* pa = p_s + (hg * 16 + (lane & 15)) * L::kPRow + (lane >> 4) * 8;
+#pragma unroll
+    for (int k0 = 0; k0 < TILE; k0 += 16) {
+      uint32_t a[4];
+      ldmatrix_x4(a, pa + k0);
+      const T* vb = kv + (k0 + (lane & 15)) * kRow + wq * 128 + (lane >> 4) * 8;
+#pragma unroll
+      for (int j = 0; j < 16; j += 2) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, vb + j * 8);
+        mma16816<T>(o[j], a, bv);
+        mma16816<T>(o[j + 1], a, bv + 2);
+      }
+    }
+  }
+  cp_async_wait<0>();  // an empty split still has its Q copies in flight
+  __syncthreads();     // final m, l (and empty splits: the initial values)
+
+  // Normalise and write: the output directly, or this split's fp32 partial.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = hg * 16 + lane / 4 + half * 8;
+    const int h = head0 + row;
+    if (h >= p.heads) continue;
+    const float l = l_s[row];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse2 = l > 0.f ? m_s[row] + log2f(l) : -INFINITY;
+    const int64_t bh = int64_t(b) * p.heads + h;
+    if (p.num_splits == 1) {
+      T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + wq * 128 + (lane % 4) * 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<uint32_t*>(out + j * 8) = pack2<T>(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
+      if (p.lse != nullptr && wq == 0 && lane % 4 == 0) p.lse[bh] = lse2 * kLn2;
+    } else {
+      const int64_t sbh = int64_t(split) * p.batch * p.heads + bh;
+      float* out = p.partial_o + sbh * kMlaDimCkv + wq * 128 + (lane % 4) * 2;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
+      if (wq == 0 && lane % 4 == 0) p.partial_lse[sbh] = lse2;
+    }
+  }
+}
+
+// Merges the splits of one (request, head): out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - max).
+template <typename T>
+__global__ void __launch_bounds__(128) mla_combine_kernel(const MlaDecodeParams p) {
+  const int64_t bh = blockIdx.x;
+  const int64_t stride = int64_t(p.batch) * p.heads;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.partial_lse[s * stride + bh]);
+  const float m_use = mx == -INFINITY ? 0.f : mx;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+  const int col = threadIdx.x * 4;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float w = exp2f(p.partial_lse[s * stride + bh] - m_use);
+    if (w == 0.f) continue;  // empty split: its partial may be anything but NaN-free zeros
+    wsum += w;
+    const float4 v = *reinterpret_cast<const float4*>(p.partial_o + (s * stride + bh) * kMlaDimCkv + col);
+    acc[0] += w * v.x;
+    acc[1] += w * v.y;
+    acc[2] += w * v.z;
+    acc[3] += w * v.w;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col;
+  *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc[0] * inv, acc[1] * inv);
+  *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc[2] * inv, acc[3] * inv);
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("mla_decode: ") + what + ": " + cudaGetErrorString(e));
+}
+
+int smem_optin(int device) {
+  int v = 0;
+  check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "device attribute");
+  return v;
+}
+
+// Runs f.template operator() on the instantiation for (HG, TILE).
+template <typename T, typename F>
+void with_config(int hg, int tile, F&& f) {
+  if (hg == 4) f(mla_decode_kernel<T, 4, 32>, Smem<4, 32>::bytes, 4);
+  else if (hg == 2 && tile == 64) f(mla_decode_kernel<T, 2, 64>, Smem<2, 64>::bytes, 2);
+  else if (hg == 2) f(mla_decode_kernel<T, 2, 32>, Smem<2, 32>::bytes, 2);
+  else if (tile == 64) f(mla_decode_kernel<T, 1, 64>, Smem<1, 64>::bytes, 1);
+  else f(mla_decode_kernel<T, 1, 32>, Smem<1, 32>::bytes, 1);
+}
+
+}  // namespace
+
+MlaConfig mla_decode_config(int device, int heads) {
+  const int limit = smem_optin(device);
+  // Most heads per CTA first (K/V is read once per CTA), then the deeper tile.
+  const int want_hg = heads > 32 ? 4 : heads > 16 ? 2 : 1;
+  const int cand[][2] = {{4, 32}, {2, 64}, {2, 32}, {1, 64}, {1, 32}};
+  for (const auto& c : cand) {
+    if (c[0] > want_hg) continue;
+    int bytes = 0;
+    with_config<__nv_bfloat16>(c[0], c[1], [&](auto, int b, int) { bytes = b; });
+    if (bytes <= limit) return {16 * c[0], c[1], bytes};
+  }
+  throw std::runtime_error("mla_decode: the device's shared memory (" + std::to_string(limit) +
+                           " bytes per block) is below the smallest configuration");
+}
+
+int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
+  const MlaConfig cfg = mla_decode_config(device, heads);
+  const int ctas = batch * ((heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta);
+  const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
+  if (ctas >= sms) return 1;
+  // One CTA fits per SM: aim for one full wave, but keep at least 4 tiles per split.
+  return std::clamp((sms + ctas - 1) / ctas, 1, std::max(1, std::min(64, max_tiles / 4)));
+}
+
+void mla_decode_prewarm(int device) {
+  int prev = 0;
+  check(cudaGetDevice(&prev), "cudaGetDevice");
+  check(cudaSetDevice(device), "cudaSetDevice");
+  const int limit = smem_optin(device);
+  auto set = [&](auto kernel, int bytes, int) {
+    if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
+  };
+  for (int hg : {1, 2, 4}) {
+    for (int tile : {32, 64}) {
+      with_config<__nv_bfloat16>(hg, tile, set);
+      with_config<__half>(hg, tile, set);
+    }
+  }
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
+  check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__half>), "combine kernel");
+  check(cudaSetDevice(prev), "cudaSetDevice");
+}
+
+void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_handle) {
+  if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
+  int prev = 0;
+  check(cudaGetDevice(&prev), "cudaGetDevice");
+  check(cudaSetDevice(device), "cudaSetDevice");
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const MlaConfig cfg = mla_decode_config(device, p.heads);
+  const dim3 grid(p.num_splits, (p.heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta, p.batch);
+  auto launch = [&](auto kernel, int bytes, int hg) {
+    kernel<<<grid, 128 * hg, bytes, stream>>>(p);
+  };
+  if (p.dtype == kBF16) with_config<__nv_bfloat16>(cfg.heads_per_cta / 16, cfg.tile_tokens, launch);
+  else with_config<__half>(cfg.heads_per_cta / 16, cfg.tile_tokens, launch);
+  check(cudaGetLastError(), "kernel launch");
+  if (p.num_splits > 1) {
+    const int bh = p.batch * p.heads;
+    if (p.dtype == kBF16) mla_combine_kernel<__nv_bfloat16><<<bh, 128, 0, stream>>>(p);
+    else mla_combine_kernel<__half><<<bh, 128, 0, stream>>>(p);
+    check(cudaGetLastError(), "combine launch");
+  }
+  check(cudaSetDevice(prev), "cudaSetDevice");
+}
+
+}  // namespace hmoe

@@ -1,0 +1,26 @@
+// Plain params struct of mla_decode, shared by every variant of the op (portable, sm90a).
+#pragma once
+#include <cstdint>
+
+namespace hmoe {
+
+constexpr int kMlaDimCkv = 512;  // latent (the value and the "nope" part of the key)
+constexpr int kMlaDimPe = 64;    // rope part of the key
+
+struct MlaDecodeParams {
+  const void* q_nope;         // [B, H, 512], dtype
+  const void* q_pe;           // [B, H, 64], dtype
+  const void* ckv;            // [P, page_size, 512], dtype
+  const void* kpe;            // [P, page_size, 64], dtype
+  const int32_t* page_table;  // [B, max_pages]; entries outside [0, P) read as zeros
+  const int32_t* seq_lens;    // [B]; clamped to [0, max_pages * page_size] on the device
+  void* out;                  // [B, H, 512], dtype
+  float* lse;                 // [B, H] natural log, or nullptr
+  float* partial_o;           // [num_splits, B, H, 512] fp32 when num_splits > 1
+  float* partial_lse;         // [num_splits, B, H] (log2 domain) when num_splits > 1
+  int32_t batch, heads, page_size, max_pages, num_pages, num_splits;
+  int32_t dtype;              // kBF16 or kF16 (common/dtype.h)
+  float sm_scale;
+};
+
+}  // namespace hmoe

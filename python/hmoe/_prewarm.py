@@ -1,0 +1,32 @@
+"""hmoe.prewarm(): do every lazy step (module loads, CUDA shared-memory limits) ahead of time,
+e.g. before CUDA-graph capture."""
+from __future__ import annotations
+
+
+def prewarm(device=None) -> None:
+    """Loads the CPU experts module this machine selects and, for a CUDA device (default: the
+    current one when CUDA is available), loads hmoe's CUDA module on it and sets its kernels'
+    shared-memory limits. Safe to call many times; a call inside graph capture is refused by
+    the ops themselves, so call this before capturing. `device`: None, an int ordinal, a
+    string like "cuda:1" or "cpu", or a torch.device."""
+    from .ops import experts as _experts
+
+    _experts.module(_experts.select())
+    from . import validation as V
+
+    torch = V.torch_module()
+    if device is None:
+        if not torch.cuda.is_available():
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    else:
+        device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"prewarm: unsupported device {device}")
+    from .ops import _cuda
+
+    _cuda.prewarm(_cuda.device_index(torch, device), "prewarm")

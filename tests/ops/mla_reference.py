@@ -1,0 +1,59 @@
+"""fp32 reference for mla_decode computed from the gathered pages, and a paged-cache builder."""
+import torch
+
+
+def mla_reference(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
+    """Returns (out fp32 [B, H, 512], lse fp32 [B, H]) on the CPU."""
+    B, H, _ = q_nope.shape
+    page = ckv.shape[1]
+    out = torch.zeros(B, H, 512)
+    lse = torch.full((B, H), float("-inf"))
+    pt, lens = page_table.cpu(), seq_lens.cpu()
+    ckv_c, kpe_c = ckv.float().cpu(), kpe.float().cpu()
+    q = torch.cat([q_nope, q_pe], -1).float().cpu()
+    for b in range(B):
+        L = int(lens[b])
+        if L == 0:
+            continue
+        pages = pt[b, : (L + page - 1) // page].long()
+        kv = ckv_c[pages].reshape(-1, 512)[:L]
+        k = torch.cat([kv, kpe_c[pages].reshape(-1, 64)[:L]], -1)
+        s = (q[b] @ k.T) * sm_scale
+        lse[b] = torch.logsumexp(s, -1)
+        out[b] = torch.softmax(s, -1) @ kv
+    return out, lse
+
+
+def make_cache(B, H, lens, page, dtype, device, gen, extra_pages=3, poison=float("nan")):
+    """Random q and a paged cache holding `lens` tokens per request in shuffled pages; every
+    unused slot (and unused page-table entry) holds poison / garbage."""
+    lens = torch.tensor(lens, dtype=torch.int32)
+    need = [(int(L) + page - 1) // page for L in lens]
+    max_pages = max(1, max(need))
+    P = sum(need) + extra_pages
+    perm = torch.randperm(P, generator=gen)
+    ckv = torch.full((P, page, 512), poison, dtype=dtype)
+    kpe = torch.full((P, page, 64), poison, dtype=dtype)
+    pt = torch.full((B, max_pages), -7, dtype=torch.int32)  # garbage past the used pages
+    nxt = 0
+    for b in range(B):
+        for i in range(need[b]):
+            pg = int(perm[nxt])
+            nxt += 1
+            pt[b, i] = pg
+            n = min(page, int(lens[b]) - i * page)
+            ckv[pg, :n] = torch.randn(n, 512, generator=gen).to(dtype)
+            kpe[pg, :n] = torch.randn(n, 64, generator=gen).to(dtype)
+    q_nope = torch.randn(B, H, 512, generator=gen).to(dtype)
+    q_pe = torch.randn(B, H, 64, generator=gen).to(dtype)
+    to = lambda t: t.to(device)
+    return to(q_nope), to(q_pe), to(ckv), to(kpe), to(pt), to(lens)
+
+
+def rel_err(x, ref):
+    x = x.float().cpu()
+    assert torch.isfinite(x).all(), "non-finite output"
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}

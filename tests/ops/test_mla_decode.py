@@ -1,0 +1,174 @@
+"""mla_decode on the GPU against an fp32 reference from the gathered pages."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hmoe
+from hmoe.ops import mla as mla_mod
+
+from .mla_reference import TOL, make_cache, mla_reference, rel_err
+
+DTYPES = [torch.bfloat16, torch.float16]
+SCALE = 1.0 / (192 ** 0.5)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def run_and_check(B, H, lens, page, dtype, seed, **kw):
+    args = make_cache(B, H, lens, page, dtype, "cuda", gen(seed))
+    out = torch.full((B, H, 512), float("nan"), dtype=dtype, device="cuda")  # poisoned
+    got, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, out=out, **kw)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype and lse.dtype == torch.float32
+    ref_o, ref_lse = mla_reference(*args, SCALE)
+    zero = torch.tensor(lens) == 0
+    assert (got[zero].float() == 0).all() and torch.isneginf(lse[zero].cpu()).all()
+    if (~zero).any():
+        assert rel_err(got[~zero], ref_o[~zero]) < TOL[dtype]
+        assert (lse[~zero].cpu() - ref_lse[~zero]).abs().max() < 2e-2
+    return got, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [1, 3, 16, 17, 33, 64, 128])
+def test_heads_and_lengths(dtype, H):
+    lens = [0, 1, 63, 64, 65, 700, 2, 129]
+    run_and_check(len(lens), H, lens, 64, dtype, seed=H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+def test_page_sizes(page):
+    run_and_check(5, 16, [1, 100, 257, 0, 511], page, torch.bfloat16, seed=page)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [16, 128])
+def test_long_context_splits(dtype, H):
+    # small batch, long sequence: the KV is split across CTAs and merged by the combine kernel
+    idx = torch.cuda.current_device()
+    run_and_check(2, H, [9000, 33], 64, dtype, seed=7)
+    mod = mla_mod._cuda.module(torch, idx, "test")
+    assert mla_mod.plan(mod, idx, 2, H, 141, 64)[0] > 1
+
+
+@pytest.mark.gpu
+def test_random_cases():
+    g = gen(1234)
+    for i in range(8):
+        B = int(torch.randint(1, 9, (1,), generator=g))
+        H = int(torch.randint(1, 129, (1,), generator=g))
+        lens = torch.randint(0, 1500, (B,), generator=g).tolist()
+        page = [16, 32, 64, 128][i % 4]
+        run_and_check(B, H, lens, page, DTYPES[i % 2], seed=100 + i)
+
+
+@pytest.mark.gpu
+def test_nan_in_unused_pages_and_bad_entries_do_not_leak():
+    # make_cache fills every unused slot with NaN and unused table entries with -7; a wild
+    # page id in a used entry reads zeros instead of memory outside the cache.
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(3, 16, [5, 64, 70], 64, torch.bfloat16, "cuda", gen(5))
+    out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+    assert torch.isfinite(out.float()).all()
+    pt[2, 1] = 10**6
+    out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+    assert torch.isfinite(out.float()).all()
+    with pytest.raises(ValueError, match=r"page_table\[2, 1\]"):
+        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, check_indices=True)
+    lens[0] = 10**5
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]"):
+        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, check_indices=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch):
+    B, H, page = 4, 16, 64
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(B, H, [3000, 1, 700, 64], page, torch.bfloat16, "cuda", gen(9),
+                                                  extra_pages=40)
+    hmoe.prewarm()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, return_lse=True)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out, lse = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, return_lse=True)
+    for new in ([2500, 0, 1, 64], [17, 3000, 640, 5]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        q_nope.copy_(torch.randn_like(q_nope))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = mla_reference(q_nope, q_pe, ckv, kpe, pt, lens, SCALE)
+        nz = torch.tensor(new) > 0
+        assert rel_err(out[nz], ref_o[nz]) < TOL[torch.bfloat16]
+        assert torch.isneginf(lse[~nz].cpu()).all() and (out[~nz] == 0).all()
+    from hmoe.ops import _cuda
+    monkeypatch.setattr(_cuda, "_warm_devices", set())
+    with pytest.raises(RuntimeError, match="prewarm"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+
+
+@pytest.mark.gpu
+def test_ptx_path_in_a_subprocess():
+    # CUDA_FORCE_PTX_JIT makes the driver ignore the SASS and JIT-compile the embedded PTX.
+    code = (
+        "import torch, hmoe\n"
+        "from tests.ops.test_mla_decode import run_and_check\n"
+        "run_and_check(3, 20, [0, 300, 5000], 64, torch.bfloat16, seed=3)\n"
+        "run_and_check(2, 128, [77, 1], 32, torch.float16, seed=4)\n"
+        "print('PTX-OK')\n")
+    env = dict(os.environ, CUDA_FORCE_PTX_JIT="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "PTX-OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_bad_input_on_gpu():
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(2, 4, [5, 6], 64, torch.bfloat16, "cuda", gen(2))
+    call = lambda **kw: hmoe.ops.mla_decode(**{**dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,
+                                                      page_table=pt, seq_lens=lens, sm_scale=SCALE), **kw})
+    with pytest.raises(TypeError, match="q_pe has dtype"):
+        call(q_pe=q_pe.half())
+    with pytest.raises(ValueError, match="q_pe has shape"):
+        call(q_pe=q_pe[:, :3].contiguous())
+    with pytest.raises(ValueError, match="kpe_cache has shape"):
+        call(kpe_cache=kpe[:, :32].contiguous())
+    with pytest.raises(ValueError, match="page_table has shape"):
+        call(page_table=pt[:1])
+    with pytest.raises(TypeError, match="seq_lens must have dtype"):
+        call(seq_lens=lens.long())
+    with pytest.raises(ValueError, match="contiguous"):
+        call(ckv_cache=ckv.transpose(0, 1))
+    with pytest.raises(ValueError, match="129 heads"):
+        call(q_nope=torch.zeros(2, 129, 512, dtype=torch.bfloat16, device="cuda"),
+             q_pe=torch.zeros(2, 129, 64, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="sm_scale"):
+        call(sm_scale=float("nan"))
+    with pytest.raises(ValueError, match="must be on the CUDA"):
+        call(seq_lens=lens.cpu())
+    out = hmoe.ops.mla_decode(q_nope[:0], q_pe[:0], ckv, kpe, pt[:0], lens[:0], sm_scale=SCALE)
+    assert out.shape == (0, 4, 512)
+
+
+def test_bad_input_without_gpu():
+    x = torch.zeros(1, 1, 512, dtype=torch.bfloat16)
+    pe = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    args = (x, pe, torch.zeros(1, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 64, 64, dtype=torch.bfloat16),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="q_nope must be a torch.Tensor"):
+        hmoe.ops.mla_decode([1], *args[1:], sm_scale=1.0)
+    with pytest.raises(TypeError, match="q_nope must have dtype"):
+        hmoe.ops.mla_decode(x.float(), *args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="must be on the CUDA"):
+        hmoe.ops.mla_decode(*args, sm_scale=1.0)
