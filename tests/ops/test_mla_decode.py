@@ -91,8 +91,8 @@ def test_nan_in_unused_pages_and_bad_entries_do_not_leak():
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
 def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch):
     B, H, page = 4, 16, 64
-    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(B, H, [3000, 1, 700, 64], page, torch.bfloat16, "cuda", gen(9),
-                                                  extra_pages=40)
+    # every request owns pages for 3000 tokens; the replays use other lengths within them
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(B, H, [3000] * B, page, torch.bfloat16, "cuda", gen(9))
     hmoe.prewarm()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
