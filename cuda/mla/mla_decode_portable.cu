@@ -3,7 +3,9 @@
 //
 // One CTA = (KV split, 16 * HG heads, request). Warp w: head group hg = w / 4, quarter
 // q = w % 4. Per KV tile of TILE tokens:
-//   S = Q K^T      warp (hg, q): 16 heads x TILE/4 tokens, over 576 dims
+//   S = Q K^T      warp (hg, q): 16 heads x TILE tokens over its 144 of the 576 dims, with its
+//                  Q fragments held in registers for the whole kernel; the 4 partial sums meet
+//                  in shared memory (which reuses Q's staging area)
 //   softmax        warp (hg, q): 4 heads x TILE tokens, online (log2 domain)
 //   O += P V       warp (hg, q): 16 heads x 128 latent dims, fp32 in registers
 #include <cuda_bf16.h>
@@ -11,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -30,14 +33,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 template <int HG, int TILE>
 struct Smem {
   static constexpr int kHeads = 16 * HG;
-  static constexpr int kSRow = TILE + 4;   // fp32 scores
+  static constexpr int kSRow = TILE + 4;   // fp32 partial scores
   static constexpr int kPRow = TILE + 8;   // 16-bit probabilities (+16 B for ldmatrix)
-  static constexpr int q = 0;
+  static constexpr int q = 0;              // Q staging; later the 4 partial score tiles
   static constexpr int kv = q + kHeads * kRow * 2;
-  static constexpr int s = kv + 2 * TILE * kRow * 2;
-  static constexpr int p = s + kHeads * kSRow * 4;
+  static constexpr int p = kv + 2 * TILE * kRow * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
-  static constexpr int bytes = stats + 3 * kHeads * 4;
+  static constexpr int rows = stats + 3 * kHeads * 4;   // 2 x TILE source offsets of KV rows
+  static constexpr int bytes = rows + 2 * TILE * 8;
+  static_assert(4 * kHeads * kSRow * 4 <= kv - q, "partial scores must fit in Q's staging area");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -103,27 +107,35 @@ __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
   return min(max(len, 0), p.max_pages * p.page_size);
 }
 
-// Issues the cp.async copies of KV tile `tile` (tokens tile*TILE ...) into `dst`. Rows past
-// the sequence, and rows whose page id is out of range, are zero-filled: masked scores are
-// -inf, but 0 * NaN from stale cache rows in P V would still poison the output.
-template <typename T, int TILE, int NT>
-__device__ __forceinline__ void load_kv_tile(const MlaDecodeParams& p, int b, int len, int tile, T* dst) {
-  const T* ckv = static_cast<const T*>(p.ckv);
-  const T* kpe = static_cast<const T*>(p.kpe);
-  for (int i = threadIdx.x; i < TILE * kChunksRow; i += NT) {
-    const int r = i / kChunksRow, c = i % kChunksRow;
+// Source row (token slot in the cache) of each token of KV tile `tile`, or -1 for a row to
+// zero-fill: past the sequence, or a page id outside the cache. Masked scores are -inf, but
+// 0 * NaN from stale cache rows in P V would still poison the output, hence zeros.
+template <int TILE>
+__device__ __forceinline__ void kv_row_slots(const MlaDecodeParams& p, int b, int len, int tile, int64_t* slots) {
+  for (int r = threadIdx.x; r < TILE; r += blockDim.x) {
     const int tok = tile * TILE + r;
-    const T* src = ckv;
-    int bytes = 0;
+    int64_t slot = -1;
     if (tok < len) {
       const int page = p.page_table[int64_t(b) * p.max_pages + tok / p.page_size];
-      if (page >= 0 && page < p.num_pages) {
-        const int64_t slot = int64_t(page) * p.page_size + tok % p.page_size;
-        src = c < kChunksCkv ? ckv + slot * kMlaDimCkv + c * 8 : kpe + slot * kMlaDimPe + (c - kChunksCkv) * 8;
-        bytes = 16;
-      }
+      if (page >= 0 && page < p.num_pages) slot = int64_t(page) * p.page_size + tok % p.page_size;
     }
-    cp_async16(dst + r * kRow + c * 8, src, bytes);
+    slots[r] = slot;
+  }
+}
+
+// Issues the cp.async copies of one KV tile whose row slots are in `slots`.
+template <typename T, int TILE, int NT>
+__device__ __forceinline__ void load_kv_tile(const MlaDecodeParams& p, const int64_t* slots, T* dst) {
+  const T* ckv = static_cast<const T*>(p.ckv);
+  const T* kpe = static_cast<const T*>(p.kpe);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < TILE * kChunksRow; i += NT) {
+    const int r = i / kChunksRow, c = i % kChunksRow;
+    const int64_t slot = slots[r];
+    const T* src = slot < 0 ? ckv
+                   : c < kChunksCkv ? ckv + slot * kMlaDimCkv + c * 8
+                                    : kpe + slot * kMlaDimPe + (c - kChunksCkv) * 8;
+    cp_async16(dst + r * kRow + c * 8, src, slot < 0 ? 0 : 16);
   }
 }
 
@@ -132,16 +144,17 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
   using L = Smem<HG, TILE>;
   constexpr int NT = 128 * HG;
   constexpr int kHeads = L::kHeads;
-  constexpr int kTokW = TILE / 4;   // tokens per warp in S
-  constexpr int kSN8 = kTokW / 8;   // n8 tiles per warp in S
+  constexpr int kN8 = TILE / 8;          // n8 tiles of tokens in S
+  constexpr int kKS = kDim / 16 / 4;     // k16 steps of S per warp (9)
   extern __shared__ __align__(128) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem + L::q);
+  float* s_s = reinterpret_cast<float*>(smem + L::q);  // after Q moved to registers
   T* kv_s = reinterpret_cast<T*>(smem + L::kv);
-  float* s_s = reinterpret_cast<float*>(smem + L::s);
   T* p_s = reinterpret_cast<T*>(smem + L::p);
   float* m_s = reinterpret_cast<float*>(smem + L::stats);
   float* l_s = m_s + kHeads;
   float* a_s = l_s + kHeads;
+  int64_t* slots = reinterpret_cast<int64_t*>(smem + L::rows);
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -151,7 +164,7 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
-  // Q rows (zero rows past the last head), then the first KV tile: one commit group.
+  // Q rows (zero rows past the last head) and the first tile's row slots.
   {
     const T* qn = static_cast<const T*>(p.q_nope);
     const T* qp = static_cast<const T*>(p.q_pe);
@@ -166,12 +179,24 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
       }
       cp_async16(q_s + r * kRow + c * 8, src, bytes);
     }
+    cp_async_commit();
   }
-  if (t0 < t1) load_kv_tile<T, TILE, NT>(p, b, len, t0, kv_s);
-  cp_async_commit();
+  if (t0 < t1) kv_row_slots<TILE>(p, b, len, t0, slots);
   if (threadIdx.x < kHeads) {
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // This warp's Q fragments (16 heads x 144 dims) stay in registers; the staging area then
+  // holds partial scores, so the first KV tile is issued only after every warp read Q.
+  uint32_t qf[kKS][4];
+#pragma unroll
+  for (int ks = 0; ks < kKS; ++ks)
+    ldmatrix_x4(qf[ks], q_s + (hg * 16 + (lane & 15)) * kRow + (wq * kKS + ks) * 16 + (lane >> 4) * 8);
+  if (t0 < t1) {
+    load_kv_tile<T, TILE, NT>(p, slots, kv_s);
+    cp_async_commit();
   }
 
   float o[16][4];
@@ -181,44 +206,43 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
 
   for (int t = t0; t < t1; ++t) {
     const T* kv = kv_s + ((t - t0) & 1) * TILE * kRow;
+    int64_t* next_slots = slots + ((t + 1 - t0) & 1) * TILE;
+    if (t + 1 < t1) kv_row_slots<TILE>(p, b, len, t + 1, next_slots);
     cp_async_wait<0>();  // tile t (the only group in flight)
-    // After this barrier tile t is visible and every warp has left iteration t - 1, so the
-    // other buffer is free for tile t + 1, which then loads while this one is computed.
+    // After this barrier tile t and the next tile's slots are visible, and every warp has
+    // left iteration t - 1, so the other KV buffer is free for tile t + 1, which then loads
+    // while this one is computed.
     __syncthreads();
     if (t + 1 < t1) {
-      load_kv_tile<T, TILE, NT>(p, b, len, t + 1, kv_s + ((t + 1 - t0) & 1) * TILE * kRow);
+      load_kv_tile<T, TILE, NT>(p, next_slots, kv_s + ((t + 1 - t0) & 1) * TILE * kRow);
       cp_async_commit();
     }
 
-    // S = Q K^T for 16 heads x kTokW tokens of this warp.
-    float s[kSN8][4];
+    // Partial S = Q K^T over this warp's dims, 16 heads x TILE tokens.
+    float s[kN8][4];
 #pragma unroll
-    for (int j = 0; j < kSN8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const T* qa = q_s + (hg * 16 + (lane & 15)) * kRow + (lane >> 4) * 8;
-#pragma unroll 4
-    for (int k0 = 0; k0 < kDim; k0 += 16) {
-      uint32_t a[4];
-      ldmatrix_x4(a, qa + k0);
+    for (int j = 0; j < kN8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const T* kb = kv + ((lane & 7) + (lane >> 4) * 8) * kRow + wq * kKS * 16 + ((lane >> 3) & 1) * 8;
 #pragma unroll
-      for (int j = 0; j < kSN8; ++j) {
-        uint32_t bk[2];
-        ldmatrix_x2(bk, kv + (wq * kTokW + j * 8 + (lane & 7)) * kRow + k0 + ((lane >> 3) & 1) * 8);
-        mma16816<T>(s[j], a, bk);
+    for (int ks = 0; ks < kKS; ++ks) {
+#pragma unroll
+      for (int j = 0; j < kN8; j += 2) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, kb + j * 8 * kRow + ks * 16);
+        mma16816<T>(s[j], qf[ks], bk);
+        mma16816<T>(s[j + 1], qf[ks], bk + 2);
       }
     }
-    // Scaled scores (log2 domain) to shared memory; tokens past the sequence are -inf.
+    float* sp = s_s + (wq * kHeads + hg * 16) * L::kSRow;
 #pragma unroll
-    for (int j = 0; j < kSN8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = hg * 16 + lane / 4 + (e / 2) * 8;
-        const int col = wq * kTokW + j * 8 + (lane % 4) * 2 + (e % 2);
-        s_s[row * L::kSRow + col] = (t * TILE + col < len) ? s[j][e] * scale : -INFINITY;
-      }
+    for (int j = 0; j < kN8; ++j) {
+      const int col = j * 8 + (lane % 4) * 2;
+      *reinterpret_cast<float2*>(sp + (lane / 4) * L::kSRow + col) = make_float2(s[j][0], s[j][1]);
+      *reinterpret_cast<float2*>(sp + (lane / 4 + 8) * L::kSRow + col) = make_float2(s[j][2], s[j][3]);
     }
     __syncthreads();
 
-    // Online softmax: this warp's 4 heads.
+    // Online softmax of this warp's 4 heads: the 4 partial sums, scaled, masked.
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
       const int row = hg * 16 + wq * 4 + rr;
@@ -227,7 +251,11 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kPer; ++c) {
-        v[c] = s_s[row * L::kSRow + lane * kPer + c];
+        const int col = lane * kPer + c;
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) acc += s_s[(w * kHeads + row) * L::kSRow + col];
+        v[c] = (t * TILE + col < len) ? acc * scale : -INFINITY;
         mx = fmaxf(mx, v[c]);
       }
 #pragma unroll
@@ -244,7 +272,6 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
       }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      __syncwarp();
       if (lane == 0) {
         const float alpha = exp2f(m_old - m_use);
         l_s[row] = l_s[row] * alpha + sum;
@@ -278,8 +305,7 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
       }
     }
   }
-  cp_async_wait<0>();  // an empty split still has its Q copies in flight
-  __syncthreads();     // final m, l (and empty splits: the initial values)
+  __syncthreads();  // final m, l (and empty splits: the initial values)
 
   // Normalise and write: the output directly, or this split's fp32 partial.
 #pragma unroll
@@ -359,28 +385,44 @@ void with_config(int hg, int tile, F&& f) {
 
 MlaConfig mla_decode_config(int device, int heads) {
   const int limit = smem_optin(device);
-  // Most heads per CTA first (K/V is read once per CTA), then the deeper tile.
+  // Most heads per CTA first (K/V is read once per CTA for all of them), then the tile.
+  // HMOE_MLA_TILE=32|64 overrides the tile where it fits (a tuning knob for benchmarks).
   const int want_hg = heads > 32 ? 4 : heads > 16 ? 2 : 1;
+  const char* env = std::getenv("HMOE_MLA_TILE");
+  const int force_tile = env ? std::atoi(env) : 0;
   const int cand[][2] = {{4, 32}, {2, 64}, {2, 32}, {1, 64}, {1, 32}};
   for (const auto& c : cand) {
-    if (c[0] > want_hg) continue;
+    if (c[0] > want_hg || (force_tile && c[1] != force_tile)) continue;
     int bytes = 0;
     with_config<__nv_bfloat16>(c[0], c[1], [&](auto, int b, int) { bytes = b; });
     if (bytes <= limit) return {16 * c[0], c[1], bytes};
   }
+  if (force_tile) throw std::invalid_argument("HMOE_MLA_TILE=" + std::string(env) + " does not fit this device");
   throw std::runtime_error("mla_decode: the device's shared memory (" + std::to_string(limit) +
                            " bytes per block) is below the smallest configuration");
 }
 
 int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
-  int sms = 0;
+  int sms = 0, smem_sm = 0;
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
+  check(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), "device attribute");
   const MlaConfig cfg = mla_decode_config(device, heads);
   const int ctas = batch * ((heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta);
+  const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
   const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
-  if (ctas >= sms) return 1;
-  // One CTA fits per SM: aim for one full wave, but keep at least 4 tiles per split.
-  return std::clamp((sms + ctas - 1) / ctas, 1, std::max(1, std::min(64, max_tiles / 4)));
+  const int max_splits = std::max(1, std::min(64, max_tiles / 2));
+  // Time ~ waves / splits: pick the split count whose last wave is fullest, the fewest on ties.
+  int best = 1;
+  double best_cost = 1e30;
+  for (int s = 1; s <= max_splits; ++s) {
+    const double waves = double((int64_t(ctas) * s + slots - 1) / slots);
+    const double cost = waves / s + 0.02 * s / std::max(1, max_tiles);  // the combine pass
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
 }
 
 void mla_decode_prewarm(int device) {
