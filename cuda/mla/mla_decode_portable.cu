@@ -1,13 +1,12 @@
 // Portable MLA decode (absorbed form) for sm_80 and newer: mma.sync m16n8k16, cp.async double
 // buffering, paged KV, split-KV with fp32 partials and a combine kernel.
 //
-// One CTA = (KV split, 16 * HG heads, request). Warp w: head group hg = w / 4, quarter
-// q = w % 4. Per KV tile of TILE tokens:
-//   S = Q K^T      warp (hg, q): 16 heads x TILE tokens over its 144 of the 576 dims, with its
-//                  Q fragments held in registers for the whole kernel; the 4 partial sums meet
-//                  in shared memory (which reuses Q's staging area)
-//   softmax        warp (hg, q): 4 heads x TILE tokens, online (log2 domain)
-//   O += P V       warp (hg, q): 16 heads x 128 latent dims, fp32 in registers
+// One CTA = (KV split, 16 * HG heads, request), WPG warps per 16-head group, STAGES KV tiles
+// of TILE tokens in flight (cp.async). Warp (hg, i) of the group, per tile:
+//   S = Q K^T   dims quarter i % 4 of the 576 (its Q fragments stay in registers) x tokens
+//               part i / 4; the 4 partial sums meet in shared memory (Q's staging area)
+//   softmax     16 / WPG of the heads, online, log2 domain
+//   O += P V    512 / WPG latent dims for all 16 heads, fp32 in registers
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -30,17 +29,17 @@ constexpr int kChunksRow = kDim / 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int HG, int TILE>
+template <int HG, int TILE, int STAGES>
 struct Smem {
   static constexpr int kHeads = 16 * HG;
   static constexpr int kSRow = TILE + 4;   // fp32 partial scores
   static constexpr int kPRow = TILE + 8;   // 16-bit probabilities (+16 B for ldmatrix)
   static constexpr int q = 0;              // Q staging; later the 4 partial score tiles
   static constexpr int kv = q + kHeads * kRow * 2;
-  static constexpr int p = kv + 2 * TILE * kRow * 2;
+  static constexpr int p = kv + STAGES * TILE * kRow * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
-  static constexpr int rows = stats + 3 * kHeads * 4;   // 2 x TILE source offsets of KV rows
-  static constexpr int bytes = rows + 2 * TILE * 8;
+  static constexpr int rows = stats + 3 * kHeads * 4;   // STAGES x TILE source slots of KV rows
+  static constexpr int bytes = rows + STAGES * TILE * 8;
   static_assert(4 * kHeads * kSRow * 4 <= kv - q, "partial scores must fit in Q's staging area");
 };
 
@@ -139,13 +138,18 @@ __device__ __forceinline__ void load_kv_tile(const MlaDecodeParams& p, const int
   }
 }
 
-template <typename T, int HG, int TILE>
-__global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecodeParams p) {
-  using L = Smem<HG, TILE>;
-  constexpr int NT = 128 * HG;
+template <typename T, int HG, int WPG, int TILE, int STAGES>
+__global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaDecodeParams p) {
+  using L = Smem<HG, TILE, STAGES>;
+  constexpr int NT = 32 * HG * WPG;
   constexpr int kHeads = L::kHeads;
-  constexpr int kN8 = TILE / 8;          // n8 tiles of tokens in S
-  constexpr int kKS = kDim / 16 / 4;     // k16 steps of S per warp (9)
+  constexpr int kTokS = TILE / (WPG / 4);  // tokens per warp in S
+  constexpr int kN8 = kTokS / 8;           // n8 tiles of tokens per warp in S
+  constexpr int kKS = kDim / 16 / 4;       // k16 steps of S per warp (9)
+  constexpr int kRowsW = 16 / WPG;         // softmax rows per warp
+  constexpr int kDimsW = kMlaDimCkv / WPG; // latent dims of O per warp
+  constexpr int kON8 = kDimsW / 8;
+  static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 32 == 0, "tile shape");
   extern __shared__ __align__(128) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem + L::q);
   float* s_s = reinterpret_cast<float*>(smem + L::q);  // after Q moved to registers
@@ -158,13 +162,13 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int hg = warp / 4, wq = warp % 4;
+  const int hg = warp / WPG, wi = warp % WPG, dq = wi % 4, th = wi / 4;
   const int len = clamp_len(p, b);
   const int n_tiles = (len + TILE - 1) / TILE;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
-  // Q rows (zero rows past the last head) and the first tile's row slots.
+  // Q rows (zero rows past the last head) and the first tiles' row slots.
   {
     const T* qn = static_cast<const T*>(p.q_nope);
     const T* qp = static_cast<const T*>(p.q_pe);
@@ -181,7 +185,8 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
     }
     cp_async_commit();
   }
-  if (t0 < t1) kv_row_slots<TILE>(p, b, len, t0, slots);
+  for (int i = 0; i < STAGES - 1; ++i)
+    if (t0 + i < t1) kv_row_slots<TILE>(p, b, len, t0 + i, slots + i * TILE);
   if (threadIdx.x < kHeads) {
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
@@ -189,40 +194,40 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
   cp_async_wait<0>();
   __syncthreads();
   // This warp's Q fragments (16 heads x 144 dims) stay in registers; the staging area then
-  // holds partial scores, so the first KV tile is issued only after every warp read Q.
+  // holds partial scores (first written after the loop's first barrier, when every warp has
+  // read its fragments).
   uint32_t qf[kKS][4];
 #pragma unroll
   for (int ks = 0; ks < kKS; ++ks)
-    ldmatrix_x4(qf[ks], q_s + (hg * 16 + (lane & 15)) * kRow + (wq * kKS + ks) * 16 + (lane >> 4) * 8);
-  if (t0 < t1) {
-    load_kv_tile<T, TILE, NT>(p, slots, kv_s);
+    ldmatrix_x4(qf[ks], q_s + (hg * 16 + (lane & 15)) * kRow + (dq * kKS + ks) * 16 + (lane >> 4) * 8);
+  // Tiles t0 .. t0 + STAGES - 2, one commit group each (empty groups keep the count uniform).
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (t0 + i < t1) load_kv_tile<T, TILE, NT>(p, slots + i * TILE, kv_s + i * TILE * kRow);
     cp_async_commit();
   }
 
-  float o[16][4];
+  float o[kON8][4];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  for (int j = 0; j < kON8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   const float scale = p.sm_scale * kLog2e;
 
   for (int t = t0; t < t1; ++t) {
-    const T* kv = kv_s + ((t - t0) & 1) * TILE * kRow;
-    int64_t* next_slots = slots + ((t + 1 - t0) & 1) * TILE;
-    if (t + 1 < t1) kv_row_slots<TILE>(p, b, len, t + 1, next_slots);
-    cp_async_wait<0>();  // tile t (the only group in flight)
-    // After this barrier tile t and the next tile's slots are visible, and every warp has
-    // left iteration t - 1, so the other KV buffer is free for tile t + 1, which then loads
-    // while this one is computed.
+    const int i = t - t0;
+    const T* kv = kv_s + (i % STAGES) * TILE * kRow;
+    const int tn = t + STAGES - 1, bn = (i + STAGES - 1) % STAGES;
+    if (tn < t1) kv_row_slots<TILE>(p, b, len, tn, slots + bn * TILE);
+    cp_async_wait<STAGES - 2>();  // tile t's group; the STAGES - 2 younger ones may fly on
+    // After this barrier tile t and tile tn's slots are visible and every warp has left
+    // iteration t - 1, so buffer bn (tile t - 1's) is free for tile tn.
     __syncthreads();
-    if (t + 1 < t1) {
-      load_kv_tile<T, TILE, NT>(p, next_slots, kv_s + ((t + 1 - t0) & 1) * TILE * kRow);
-      cp_async_commit();
-    }
+    if (tn < t1) load_kv_tile<T, TILE, NT>(p, slots + bn * TILE, kv_s + bn * TILE * kRow);
+    cp_async_commit();
 
-    // Partial S = Q K^T over this warp's dims, 16 heads x TILE tokens.
+    // Partial S = Q K^T over this warp's dims and tokens.
     float s[kN8][4];
 #pragma unroll
     for (int j = 0; j < kN8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const T* kb = kv + ((lane & 7) + (lane >> 4) * 8) * kRow + wq * kKS * 16 + ((lane >> 3) & 1) * 8;
+    const T* kb = kv + (th * kTokS + (lane & 7) + (lane >> 4) * 8) * kRow + dq * kKS * 16 + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
 #pragma unroll
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
         mma16816<T>(s[j + 1], qf[ks], bk + 2);
       }
     }
-    float* sp = s_s + (wq * kHeads + hg * 16) * L::kSRow;
+    float* sp = s_s + (dq * kHeads + hg * 16) * L::kSRow + th * kTokS;
 #pragma unroll
     for (int j = 0; j < kN8; ++j) {
       const int col = j * 8 + (lane % 4) * 2;
@@ -242,10 +247,10 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
     }
     __syncthreads();
 
-    // Online softmax of this warp's 4 heads: the 4 partial sums, scaled, masked.
+    // Online softmax of this warp's heads: the 4 partial sums, scaled, masked.
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const int row = hg * 16 + wq * 4 + rr;
+    for (int rr = 0; rr < kRowsW; ++rr) {
+      const int row = hg * 16 + wi * kRowsW + rr;
       constexpr int kPer = TILE / 32;
       float v[kPer];
       float mx = -INFINITY;
@@ -281,10 +286,10 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
     }
     __syncthreads();
 
-    // O = alpha * O + P V for 16 heads x 128 latent dims of this warp.
+    // O = alpha * O + P V for 16 heads x this warp's latent dims.
     const float al0 = a_s[hg * 16 + lane / 4], al1 = a_s[hg * 16 + lane / 4 + 8];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kON8; ++j) {
       o[j][0] *= al0;
       o[j][1] *= al0;
       o[j][2] *= al1;
@@ -295,9 +300,9 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
     for (int k0 = 0; k0 < TILE; k0 += 16) {
       uint32_t a[4];
       ldmatrix_x4(a, pa + k0);
-      const T* vb = kv + (k0 + (lane & 15)) * kRow + wq * 128 + (lane >> 4) * 8;
+      const T* vb = kv + (k0 + (lane & 15)) * kRow + wi * kDimsW + (lane >> 4) * 8;
 #pragma unroll
-      for (int j = 0; j < 16; j += 2) {
+      for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
         ldmatrix_x4_trans(bv, vb + j * 8);
         mma16816<T>(o[j], a, bv);
@@ -305,7 +310,8 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
       }
     }
   }
-  __syncthreads();  // final m, l (and empty splits: the initial values)
+  cp_async_wait<0>();  // the (empty) groups committed past the last tile
+  __syncthreads();     // final m, l (and empty splits: the initial values)
 
   // Normalise and write: the output directly, or this split's fp32 partial.
 #pragma unroll
@@ -317,19 +323,20 @@ __global__ void __launch_bounds__(128 * HG, 1) mla_decode_kernel(const MlaDecode
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const float lse2 = l > 0.f ? m_s[row] + log2f(l) : -INFINITY;
     const int64_t bh = int64_t(b) * p.heads + h;
+    const int col0 = wi * kDimsW + (lane % 4) * 2;
     if (p.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + wq * 128 + (lane % 4) * 2;
+      T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col0;
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < kON8; ++j)
         *reinterpret_cast<uint32_t*>(out + j * 8) = pack2<T>(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
-      if (p.lse != nullptr && wq == 0 && lane % 4 == 0) p.lse[bh] = lse2 * kLn2;
+      if (p.lse != nullptr && wi == 0 && lane % 4 == 0) p.lse[bh] = lse2 * kLn2;
     } else {
       const int64_t sbh = int64_t(split) * p.batch * p.heads + bh;
-      float* out = p.partial_o + sbh * kMlaDimCkv + wq * 128 + (lane % 4) * 2;
+      float* out = p.partial_o + sbh * kMlaDimCkv + col0;
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < kON8; ++j)
         *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
-      if (wq == 0 && lane % 4 == 0) p.partial_lse[sbh] = lse2;
+      if (wi == 0 && lane % 4 == 0) p.partial_lse[sbh] = lse2;
     }
   }
 }
@@ -371,35 +378,51 @@ int smem_optin(int device) {
   return v;
 }
 
-// Runs f.template operator() on the instantiation for (HG, TILE).
+// The compiled configurations, best first for each head count: {HG, WPG, TILE, STAGES}.
+// Few heads are memory-bound: 8 warps and 4 tiles in flight. Many heads are compute-bound:
+// as many heads per CTA as fit, so that each KV byte feeds 64 heads.
+constexpr int kConfigs[][4] = {{4, 4, 32, 2}, {2, 4, 32, 2}, {1, 8, 32, 4}, {1, 8, 32, 3}, {1, 4, 32, 2}};
+
+// Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs).
 template <typename T, typename F>
-void with_config(int hg, int tile, F&& f) {
-  if (hg == 4) f(mla_decode_kernel<T, 4, 32>, Smem<4, 32>::bytes, 4);
-  else if (hg == 2 && tile == 64) f(mla_decode_kernel<T, 2, 64>, Smem<2, 64>::bytes, 2);
-  else if (hg == 2) f(mla_decode_kernel<T, 2, 32>, Smem<2, 32>::bytes, 2);
-  else if (tile == 64) f(mla_decode_kernel<T, 1, 64>, Smem<1, 64>::bytes, 1);
-  else f(mla_decode_kernel<T, 1, 32>, Smem<1, 32>::bytes, 1);
+void with_config(int c, F&& f) {
+  switch (c) {
+    case 0: f(mla_decode_kernel<T, 4, 4, 32, 2>, Smem<4, 32, 2>::bytes, 512); break;
+    case 1: f(mla_decode_kernel<T, 2, 4, 32, 2>, Smem<2, 32, 2>::bytes, 256); break;
+    case 2: f(mla_decode_kernel<T, 1, 8, 32, 4>, Smem<1, 32, 4>::bytes, 256); break;
+    case 3: f(mla_decode_kernel<T, 1, 8, 32, 3>, Smem<1, 32, 3>::bytes, 256); break;
+    default: f(mla_decode_kernel<T, 1, 4, 32, 2>, Smem<1, 32, 2>::bytes, 128); break;
+  }
+}
+constexpr int kNumConfigs = 5;
+
+int config_bytes(int c) {
+  int bytes = 0;
+  with_config<__nv_bfloat16>(c, [&](auto, int b, int) { bytes = b; });
+  return bytes;
+}
+
+int choose_config(int device, int heads) {
+  const int limit = smem_optin(device);
+  const int want_hg = heads > 32 ? 4 : heads > 16 ? 2 : 1;
+  // HMOE_MLA_CONFIG=<index into kConfigs> forces one where it fits (a tuning knob).
+  if (const char* env = std::getenv("HMOE_MLA_CONFIG")) {
+    const int c = std::atoi(env);
+    if (c < 0 || c >= kNumConfigs || config_bytes(c) > limit)
+      throw std::invalid_argument(std::string("HMOE_MLA_CONFIG=") + env + " is not a configuration this device fits");
+    return c;
+  }
+  for (int c = 0; c < kNumConfigs; ++c)
+    if (kConfigs[c][0] <= want_hg && config_bytes(c) <= limit) return c;
+  throw std::runtime_error("mla_decode: the device's shared memory (" + std::to_string(limit) +
+                           " bytes per block) is below the smallest configuration");
 }
 
 }  // namespace
 
 MlaConfig mla_decode_config(int device, int heads) {
-  const int limit = smem_optin(device);
-  // Most heads per CTA first (K/V is read once per CTA for all of them), then the tile.
-  // HMOE_MLA_TILE=32|64 overrides the tile where it fits (a tuning knob for benchmarks).
-  const int want_hg = heads > 32 ? 4 : heads > 16 ? 2 : 1;
-  const char* env = std::getenv("HMOE_MLA_TILE");
-  const int force_tile = env ? std::atoi(env) : 0;
-  const int cand[][2] = {{4, 32}, {2, 64}, {2, 32}, {1, 64}, {1, 32}};
-  for (const auto& c : cand) {
-    if (c[0] > want_hg || (force_tile && c[1] != force_tile)) continue;
-    int bytes = 0;
-    with_config<__nv_bfloat16>(c[0], c[1], [&](auto, int b, int) { bytes = b; });
-    if (bytes <= limit) return {16 * c[0], c[1], bytes};
-  }
-  if (force_tile) throw std::invalid_argument("HMOE_MLA_TILE=" + std::string(env) + " does not fit this device");
-  throw std::runtime_error("mla_decode: the device's shared memory (" + std::to_string(limit) +
-                           " bytes per block) is below the smallest configuration");
+  const int c = choose_config(device, heads);
+  return {16 * kConfigs[c][0], kConfigs[c][2], config_bytes(c)};
 }
 
 int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
@@ -411,18 +434,10 @@ int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int p
   const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
   const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
   const int max_splits = std::max(1, std::min(64, max_tiles / 2));
-  // Time ~ waves / splits: pick the split count whose last wave is fullest, the fewest on ties.
-  int best = 1;
-  double best_cost = 1e30;
-  for (int s = 1; s <= max_splits; ++s) {
-    const double waves = double((int64_t(ctas) * s + slots - 1) / slots);
-    const double cost = waves / s + 0.02 * s / std::max(1, max_tiles);  // the combine pass
-    if (cost < best_cost - 1e-9) {
-      best_cost = cost;
-      best = s;
-    }
-  }
-  return best;
+  // Enough splits to fill ~90% of the resident CTA slots; a grid that already fills them is
+  // not split (every split costs a partial write and the combine pass).
+  const int want = (9 * slots + 10 * ctas - 1) / (10 * ctas);
+  return std::clamp(want, 1, max_splits);
 }
 
 void mla_decode_prewarm(int device) {
@@ -433,11 +448,9 @@ void mla_decode_prewarm(int device) {
   auto set = [&](auto kernel, int bytes, int) {
     if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
-  for (int hg : {1, 2, 4}) {
-    for (int tile : {32, 64}) {
-      with_config<__nv_bfloat16>(hg, tile, set);
-      with_config<__half>(hg, tile, set);
-    }
+  for (int c = 0; c < kNumConfigs; ++c) {
+    with_config<__nv_bfloat16>(c, set);
+    with_config<__half>(c, set);
   }
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
@@ -451,13 +464,12 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   check(cudaGetDevice(&prev), "cudaGetDevice");
   check(cudaSetDevice(device), "cudaSetDevice");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  const MlaConfig cfg = mla_decode_config(device, p.heads);
-  const dim3 grid(p.num_splits, (p.heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta, p.batch);
-  auto launch = [&](auto kernel, int bytes, int hg) {
-    kernel<<<grid, 128 * hg, bytes, stream>>>(p);
-  };
-  if (p.dtype == kBF16) with_config<__nv_bfloat16>(cfg.heads_per_cta / 16, cfg.tile_tokens, launch);
-  else with_config<__half>(cfg.heads_per_cta / 16, cfg.tile_tokens, launch);
+  const int c = choose_config(device, p.heads);
+  const int heads_per_cta = 16 * kConfigs[c][0];
+  const dim3 grid(p.num_splits, (p.heads + heads_per_cta - 1) / heads_per_cta, p.batch);
+  auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p); };
+  if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, launch);
+  else with_config<__half>(c, launch);
   check(cudaGetLastError(), "kernel launch");
   if (p.num_splits > 1) {
     const int bh = p.batch * p.heads;
