@@ -34,13 +34,14 @@ struct Smem {
   static constexpr int kHeads = 16 * HG;
   static constexpr int kSRow = TILE + 4;   // fp32 partial scores
   static constexpr int kPRow = TILE + 8;   // 16-bit probabilities (+16 B for ldmatrix)
-  static constexpr int q = 0;              // Q staging; later the 4 partial score tiles
-  static constexpr int kv = q + kHeads * kRow * 2;
+  static constexpr int s = 0;              // the 4 partial score tiles
+  static constexpr int kv = s + 4 * kHeads * kSRow * 4;  // KV tiles; Q is staged here first
   static constexpr int p = kv + STAGES * TILE * kRow * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
   static constexpr int rows = stats + 3 * kHeads * 4;   // STAGES x TILE source slots of KV rows
   static constexpr int bytes = rows + STAGES * TILE * 8;
-  static_assert(4 * kHeads * kSRow * 4 <= kv - q, "partial scores must fit in Q's staging area");
+  static_assert(kHeads <= STAGES * TILE, "Q is staged in the KV buffers");
+  static_assert(kv % 16 == 0 && p % 16 == 0, "16-byte aligned regions");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -149,11 +150,11 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   constexpr int kRowsW = 16 / WPG;         // softmax rows per warp
   constexpr int kDimsW = kMlaDimCkv / WPG; // latent dims of O per warp
   constexpr int kON8 = kDimsW / 8;
-  static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 32 == 0, "tile shape");
+  static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 16 == 0, "tile shape");
   extern __shared__ __align__(128) unsigned char smem[];
-  T* q_s = reinterpret_cast<T*>(smem + L::q);
-  float* s_s = reinterpret_cast<float*>(smem + L::q);  // after Q moved to registers
+  float* s_s = reinterpret_cast<float*>(smem + L::s);
   T* kv_s = reinterpret_cast<T*>(smem + L::kv);
+  T* q_s = kv_s;  // Q's staging area until its fragments are in registers
   T* p_s = reinterpret_cast<T*>(smem + L::p);
   float* m_s = reinterpret_cast<float*>(smem + L::stats);
   float* l_s = m_s + kHeads;
@@ -193,13 +194,13 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   }
   cp_async_wait<0>();
   __syncthreads();
-  // This warp's Q fragments (16 heads x 144 dims) stay in registers; the staging area then
-  // holds partial scores (first written after the loop's first barrier, when every warp has
-  // read its fragments).
+  // This warp's Q fragments (16 heads x 144 dims) stay in registers; once every warp has
+  // read its own, the staging area takes KV tiles.
   uint32_t qf[kKS][4];
 #pragma unroll
   for (int ks = 0; ks < kKS; ++ks)
     ldmatrix_x4(qf[ks], q_s + (hg * 16 + (lane & 15)) * kRow + (dq * kKS + ks) * 16 + (lane >> 4) * 8);
+  __syncthreads();
   // Tiles t0 .. t0 + STAGES - 2, one commit group each (empty groups keep the count uniform).
   for (int i = 0; i < STAGES - 1; ++i) {
     if (t0 + i < t1) load_kv_tile<T, TILE, NT>(p, slots + i * TILE, kv_s + i * TILE * kRow);
@@ -251,7 +252,8 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
     // independent: all loads first, then the reductions interleaved, so their shuffle
     // latencies overlap instead of adding up row after row.
     {
-      constexpr int kPer = TILE / 32;
+      constexpr int kPer = TILE >= 32 ? TILE / 32 : 1;  // columns per lane
+      const bool lane_on = lane * kPer < TILE;            // a 16-token tile leaves half idle
       const int row0 = hg * 16 + wi * kRowsW;
       float v[kRowsW][kPer], mx[kRowsW], m_old[kRowsW], sum[kRowsW];
 #pragma unroll
@@ -263,8 +265,8 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
           const int col = lane * kPer + c;
           float acc = 0.f;
 #pragma unroll
-          for (int w = 0; w < 4; ++w) acc += s_s[(w * kHeads + row0 + rr) * L::kSRow + col];
-          v[rr][c] = (t * TILE + col < len) ? acc * scale : -INFINITY;
+            for (int w = 0; w < 4; ++w) acc += lane_on ? s_s[(w * kHeads + row0 + rr) * L::kSRow + col] : 0.f;
+          v[rr][c] = (lane_on && t * TILE + col < len) ? acc * scale : -INFINITY;
           mx[rr] = fmaxf(mx[rr], v[rr][c]);
         }
       }
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
         for (int c = 0; c < kPer; ++c) {
           const float e = exp2f(v[rr][c] - m_use);
           sum[rr] += e;
-          p_s[(row0 + rr) * L::kPRow + lane * kPer + c] = from_float<T>(e);
+          if (lane_on) p_s[(row0 + rr) * L::kPRow + lane * kPer + c] = from_float<T>(e);
         }
         v[rr][0] = exp2f(m_old[rr] - m_use);  // alpha, kept in a free register
       }
@@ -396,8 +398,8 @@ int smem_optin(int device) {
 // many heads per CTA as fit (each KV byte then feeds up to 64 heads), 4 warps per 16 heads,
 // double-buffered 32-token tiles (16 heads: 95 KB, two CTAs per H100 SM or one per sm_89 SM).
 // Measured on an H200: 8 warps per head group with 3 or 4 tiles in flight ran 10-20% slower.
-constexpr int kConfigs[][4] = {{4, 4, 32, 2}, {2, 4, 32, 2}, {1, 4, 32, 2}};
-constexpr int kNumConfigs = 3;
+constexpr int kConfigs[][4] = {{4, 4, 32, 2}, {2, 4, 32, 2}, {1, 4, 32, 2}, {1, 4, 16, 2}};
+constexpr int kNumConfigs = 4;
 
 // Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs).
 template <typename T, typename F>
@@ -405,7 +407,8 @@ void with_config(int c, F&& f) {
   switch (c) {
     case 0: f(mla_decode_kernel<T, 4, 4, 32, 2>, Smem<4, 32, 2>::bytes, 512); break;
     case 1: f(mla_decode_kernel<T, 2, 4, 32, 2>, Smem<2, 32, 2>::bytes, 256); break;
-    default: f(mla_decode_kernel<T, 1, 4, 32, 2>, Smem<1, 32, 2>::bytes, 128); break;
+    case 2: f(mla_decode_kernel<T, 1, 4, 32, 2>, Smem<1, 32, 2>::bytes, 128); break;
+    default: f(mla_decode_kernel<T, 1, 4, 16, 2>, Smem<1, 16, 2>::bytes, 128); break;
   }
 }
 
