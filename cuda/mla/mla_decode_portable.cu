@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   constexpr int kRowsW = 16 / WPG;         // softmax rows per warp
   constexpr int kDimsW = kMlaDimCkv / WPG; // latent dims of O per warp
   constexpr int kON8 = kDimsW / 8;
-  static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 16 == 0, "tile shape");
+  static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 32 == 0, "tile shape");
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_s = reinterpret_cast<float*>(smem + L::s);
   T* kv_s = reinterpret_cast<T*>(smem + L::kv);
@@ -252,8 +252,7 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
     // independent: all loads first, then the reductions interleaved, so their shuffle
     // latencies overlap instead of adding up row after row.
     {
-      constexpr int kPer = TILE >= 32 ? TILE / 32 : 1;  // columns per lane
-      const bool lane_on = lane * kPer < TILE;            // a 16-token tile leaves half idle
+      constexpr int kPer = TILE / 32;  // columns per lane
       const int row0 = hg * 16 + wi * kRowsW;
       float v[kRowsW][kPer], mx[kRowsW], m_old[kRowsW], sum[kRowsW];
 #pragma unroll
@@ -265,8 +264,8 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
           const int col = lane * kPer + c;
           float acc = 0.f;
 #pragma unroll
-            for (int w = 0; w < 4; ++w) acc += lane_on ? s_s[(w * kHeads + row0 + rr) * L::kSRow + col] : 0.f;
-          v[rr][c] = (lane_on && t * TILE + col < len) ? acc * scale : -INFINITY;
+          for (int w = 0; w < 4; ++w) acc += s_s[(w * kHeads + row0 + rr) * L::kSRow + col];
+          v[rr][c] = (t * TILE + col < len) ? acc * scale : -INFINITY;
           mx[rr] = fmaxf(mx[rr], v[rr][c]);
         }
       }
@@ -283,7 +282,7 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
         for (int c = 0; c < kPer; ++c) {
           const float e = exp2f(v[rr][c] - m_use);
           sum[rr] += e;
-          if (lane_on) p_s[(row0 + rr) * L::kPRow + lane * kPer + c] = from_float<T>(e);
+          p_s[(row0 + rr) * L::kPRow + lane * kPer + c] = from_float<T>(e);
         }
         v[rr][0] = exp2f(m_old[rr] - m_use);  // alpha, kept in a free register
       }
@@ -397,9 +396,10 @@ int smem_optin(int device) {
 // The compiled configurations, best first for each head count: {HG, WPG, TILE, STAGES}: as
 // many heads per CTA as fit (each KV byte then feeds up to 64 heads), 4 warps per 16 heads,
 // double-buffered 32-token tiles (16 heads: 95 KB, two CTAs per H100 SM or one per sm_89 SM).
-// Measured on an H200: 8 warps per head group with 3 or 4 tiles in flight ran 10-20% slower.
-constexpr int kConfigs[][4] = {{4, 4, 32, 2}, {2, 4, 32, 2}, {1, 4, 32, 2}, {1, 4, 16, 2}};
-constexpr int kNumConfigs = 4;
+// Measured on an H200 (cuda/mla/NOTES.md): 8 warps per head group with 3 or 4 tiles in
+// flight, 64-token tiles and 16-token tiles (3 CTAs per SM) all ran slower for 16 heads.
+constexpr int kConfigs[][4] = {{4, 4, 32, 2}, {2, 4, 32, 2}, {1, 4, 32, 2}};
+constexpr int kNumConfigs = 3;
 
 // Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs).
 template <typename T, typename F>
@@ -407,8 +407,7 @@ void with_config(int c, F&& f) {
   switch (c) {
     case 0: f(mla_decode_kernel<T, 4, 4, 32, 2>, Smem<4, 32, 2>::bytes, 512); break;
     case 1: f(mla_decode_kernel<T, 2, 4, 32, 2>, Smem<2, 32, 2>::bytes, 256); break;
-    case 2: f(mla_decode_kernel<T, 1, 4, 32, 2>, Smem<1, 32, 2>::bytes, 128); break;
-    default: f(mla_decode_kernel<T, 1, 4, 16, 2>, Smem<1, 16, 2>::bytes, 128); break;
+    default: f(mla_decode_kernel<T, 1, 4, 32, 2>, Smem<1, 32, 2>::bytes, 128); break;
   }
 }
 
