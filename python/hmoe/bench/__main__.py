@@ -8,6 +8,7 @@ import sys
 # Modules are imported only when their subcommand runs, so listing them stays cheap.
 SUBCOMMANDS = {
     "experts": ("hmoe.bench.experts", "CPU routed experts (CPUExperts, moe_experts_cpu) vs a torch per-expert loop"),
+    "mla": ("hmoe.bench.mla", "GPU MLA decode (mla_decode) vs flashinfer fa2/fa3, against copy bandwidth and matmul peak"),
 }
 
 

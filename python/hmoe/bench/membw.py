@@ -1,4 +1,4 @@
-# Machine facts the benchmarks normalise against: memory copy bandwidth, last-level cache, free memory.
+# Machine facts the benchmarks normalise against: CPU/GPU copy bandwidth, caches and flushing them, free memory, GPU matmul peak.
 from __future__ import annotations
 
 import os
@@ -180,3 +180,83 @@ class CacheFlusher:
     def __call__(self) -> None:
         if self.enabled:
             self._dst.copy_(self._src)
+
+
+def gpu_copy_bandwidth(device, nbytes: int | None = None, repeats: int = 10) -> dict:
+    """Device-memory bandwidth of a torch copy_ between two buffers on a CUDA `device`, timed with
+    CUDA events (median over repeats). The buffer is >= 2 GiB by default, far past any L2, and is
+    halved while two of them (plus 1 GiB slack) would not fit in free device memory. GB/s counts
+    bytes read + bytes written, GB = 1e9 B; the buffers are freed before returning."""
+    import torch
+
+    device = torch.device(device)
+    nbytes = nbytes or 2 * GIB
+    free, _ = torch.cuda.mem_get_info(device)
+    while nbytes > (256 << 20) and 2 * nbytes + GIB > free:
+        nbytes //= 2
+    n = nbytes // 4
+    with torch.cuda.device(device):
+        src = torch.empty(n, dtype=torch.float32, device=device).uniform_(-1.0, 1.0)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first launch of the copy kernel and clocks ramping up stay out of the timing
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(max(1, repeats))]
+        for start, end in events:
+            start.record()
+            dst.copy_(src)
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) / 1e3 for start, end in events]
+        del src, dst
+        torch.cuda.empty_cache()
+    med = statistics.median(times)
+    return {
+        "method": "torch Tensor.copy_ of one contiguous fp32 device buffer into another, CUDA events",
+        "device": torch.cuda.get_device_name(device),
+        "bytes_buffer": n * 4,
+        "bytes_counted_per_copy": 2 * n * 4,
+        "counts": "bytes read + bytes written",
+        "repeats": len(times),
+        "ms_median": med * 1e3,
+        "gbps": 2 * n * 4 / med / 1e9,
+        "gbps_best": 2 * n * 4 / min(times) / 1e9,
+    }
+
+
+def gpu_matmul_tflops(device, n: int = 8192, repeats: int = 10) -> dict:
+    """Median TFLOP/s of a bf16 torch matmul n x n x n on random data (2 n^3 FLOPs), CUDA events:
+    the compute roof GPU kernels are compared with, measured on this GPU at its current clocks."""
+    import torch
+
+    with torch.cuda.device(device):
+        a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+        c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+        for _ in range(3):  # cuBLAS heuristics and clocks settle
+            torch.matmul(a, b, out=c)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(max(1, repeats))]
+        for start, end in events:
+            start.record()
+            torch.matmul(a, b, out=c)
+            end.record()
+        torch.cuda.synchronize(device)
+        ms = statistics.median(start.elapsed_time(end) for start, end in events)
+        del a, b, c
+        torch.cuda.empty_cache()
+    return {"method": f"bf16 torch.matmul {n}x{n}x{n}, random data, CUDA events", "n": n,
+            "ms_median": ms, "tflops": 2 * n**3 / (ms * 1e9)}
+
+
+class GpuL2Flusher:
+    """Writes max(256 MiB, 4x L2) on the current stream between timed GPU calls (outside the timed
+    region), so a call does not find the previous call's data in L2: a model runs other layers in
+    between. The GPU counterpart of CacheFlusher."""
+
+    def __init__(self, device):
+        import torch
+
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        self._buf = torch.empty(max(256 << 20, 4 * l2), dtype=torch.uint8, device=device)
+
+    def __call__(self) -> None:
+        self._buf.fill_(1)

@@ -1,0 +1,398 @@
+# `python -m hmoe.bench mla`: hmoe.ops.mla_decode vs flashinfer's MLA (fa2, fa3) on shuffled paged caches, vs GPU roofs.
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import statistics
+import sys
+import types
+
+from hmoe.bench import membw
+
+D_CKV, D_PE = 512, 64
+DEFAULT_SHAPES = "64x4096x16,64x4096x128,128x8192x16,1x32768x128,32x2048x128,256x1024x16"
+SM_SCALE = 1.0 / math.sqrt(192)  # DeepSeek's q.k head dim before absorption: 128 nope + 64 rope
+# Normwise relative error allowed vs the fp64 reference: the op rounds P to q's dtype before P V
+# and rounds the output once, so a few units of the dtype's rounding (the bounds of tests/ops).
+TOLERANCE = {"bf16": 1.2e-2, "fp16": 2e-3}
+CHECK_REQUESTS = 2  # requests held to the fp64 reference; all of them would cost more than the bench
+BACKENDS = ("fa2", "fa3")
+
+
+class Shape(collections.namedtuple("Shape", "B S H")):  # requests (1 query token each), tokens each, heads
+    name = property(lambda s: f"{s.B}x{s.S}x{s.H}")
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    shapes = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"bad shape {item!r}: expected BxSxH, positive integers, e.g. 64x4096x16")
+        shapes.append(Shape(*(int(p) for p in parts)))
+    if not shapes:
+        raise ValueError("no shapes given")
+    return shapes
+
+
+def bytes_moved(s: Shape, elt: int = 2) -> int:
+    """KV read once (512 latent + 64 rope per token) + q read + out written. The page table and
+    seq_lens (4 B per page or request) are left out: under 0.01% of the total."""
+    return elt * (s.B * s.S * (D_CKV + D_PE) + s.B * s.H * (D_CKV + D_PE) + s.B * s.H * D_CKV)
+
+
+def flops(s: Shape) -> int:
+    """2 per multiply-add: Q K^T over 576 dims and P V over 512, per (request, head, token)."""
+    return 2 * s.B * s.H * s.S * (D_CKV + D_PE + D_CKV)
+
+
+def make_inputs(s: Shape, page_size: int, dtype, device, seed: int):
+    """Random q and a paged cache where every request holds exactly S tokens in shuffled pages
+    (a random permutation of all pages), as a serving engine's allocator leaves them."""
+    import torch
+
+    per_req = -(-s.S // page_size)
+    g = torch.Generator(device=device).manual_seed(seed)
+    # drawn in the target dtype: an fp32 temporary of the largest cache would double its footprint
+    rnd = lambda *size: torch.randn(size, generator=g, device=device, dtype=dtype)  # noqa: E731
+    perm = torch.randperm(s.B * per_req, generator=torch.Generator().manual_seed(seed + 1))
+    return types.SimpleNamespace(
+        q_nope=rnd(s.B, s.H, D_CKV), q_pe=rnd(s.B, s.H, D_PE),
+        ckv=rnd(s.B * per_req, page_size, D_CKV), kpe=rnd(s.B * per_req, page_size, D_PE),
+        page_table=perm.to(torch.int32).view(s.B, per_req).to(device),
+        seq_lens=torch.full((s.B,), s.S, dtype=torch.int32, device=device))
+
+
+def reference(inp, n: int, sm_scale: float):
+    """fp64 out [n, H, 512] of the first n requests from their gathered pages, no intermediate
+    rounding: the math of hmoe.ops.mla_decode's docstring, which every implementation is held to."""
+    page = inp.ckv.shape[1]
+    out = inp.q_nope.new_zeros(n, inp.q_nope.shape[1], D_CKV).double()
+    for b in range(n):
+        L = int(inp.seq_lens[b])
+        pages = inp.page_table[b, : -(-L // page)].long()
+        kv = inp.ckv[pages].reshape(-1, D_CKV)[:L].double()
+        pe = inp.kpe[pages].reshape(-1, D_PE)[:L].double()
+        if L:
+            scores = (inp.q_nope[b].double() @ kv.T + inp.q_pe[b].double() @ pe.T) * sm_scale
+            out[b] = scores.softmax(dim=-1) @ kv
+    return out
+
+
+def rel_err(x, ref) -> float:
+    """Normwise relative error ||x - ref|| / ||ref|| in fp64; inf when x is not finite."""
+    x = x.double().to(ref.device)
+    if not bool(x.isfinite().all()):
+        return math.inf
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def measure(fn, s: Shape, opts, flush, copy_gbps: float) -> dict:
+    """Median microseconds over --repeats with L2 flushed before each, and what follows from them.
+    CUDA-graph replays (fn has run eagerly once: its lazy work is done) unless --eager or capture
+    fails (then eager calls, said in timing_note). The flush queued ahead keeps the GPU busy while
+    the CPU launches, so launch latency does not enter the times."""
+    import torch
+
+    graph, timing, note = None, "eager", None
+    if not opts.eager:
+        try:
+            graph, timing = torch.cuda.CUDAGraph(), "graph"
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager timing
+            graph, timing, note = None, "eager", f"graph capture failed ({_error(e)}); timed eager calls"
+    run = graph.replay if graph is not None else fn
+    for _ in range(opts.warmup):
+        run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(opts.repeats)]
+    for start, end in events:
+        flush()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    us = [1e3 * start.elapsed_time(end) for start, end in events]
+    med = statistics.median(us)
+    gbps = bytes_moved(s) / (med * 1e3)
+    return {"us": med, "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note, "gbps": gbps,
+            "tflops": flops(s) / (med * 1e6), "copy_frac": gbps / copy_gbps if copy_gbps else None}
+
+
+def hmoe_runner(inp, opts):
+    import hmoe
+
+    out = inp.q_nope.new_empty(inp.q_nope.shape)
+    fn = lambda: hmoe.ops.mla_decode(inp.q_nope, inp.q_pe, inp.ckv, inp.kpe, inp.page_table,  # noqa: E731
+                                     inp.seq_lens, sm_scale=SM_SCALE, variant=opts.variant, out=out)
+    # eager first: does hmoe.prewarm's lazy work and the shape's plan, raising here, not mid-capture
+    # (not hmoe.prewarm itself: it also loads the CPU experts, whose failure is no MLA failure)
+    fn()
+    return fn, out
+
+
+def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
+    """flashinfer.mla.BatchMLAPagedAttentionWrapper on the same cache: its ckv/kpe layout is ours
+    ([pages, page_size, dim]); its page table is CSR: kv_indices lists page ids request after
+    request, kv_indptr[b] is where request b's begin (in pages), kv_len_arr the token counts."""
+    import torch
+
+    B, H, _ = inp.q_nope.shape
+    qo_indptr = torch.arange(B + 1, dtype=torch.int32, device=inp.q_nope.device)  # 1 query/request
+    kv_indptr, kv_indices = qo_indptr * inp.page_table.shape[1], inp.page_table.flatten()
+    bufs = {}
+    if use_graph:  # capture needs the wrapper's metadata in buffers that keep their address
+        bufs = {"use_cuda_graph": True, "qo_indptr": torch.empty_like(qo_indptr), "kv_indptr": torch.empty_like(kv_indptr),
+                "kv_indices": torch.empty_like(kv_indices), "kv_len_arr": torch.empty_like(inp.seq_lens)}
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=inp.q_nope.device)
+    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(workspace, backend=backend, **bufs)
+    wrapper.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=inp.seq_lens,
+                 num_heads=H, head_dim_ckv=D_CKV, head_dim_kpe=D_PE, page_size=page_size, causal=False,
+                 sm_scale=SM_SCALE, q_data_type=inp.q_nope.dtype, kv_data_type=inp.ckv.dtype)
+    out = torch.empty_like(inp.q_nope)
+    fn = lambda: wrapper.run(inp.q_nope, inp.q_pe, inp.ckv, inp.kpe, out=out)  # noqa: E731
+    fn()  # a backend's first use JIT-compiles here, outside any timing
+    return fn, out
+
+
+def load_flashinfer():
+    """(module, None) or (None, why): any exception, as a flashinfer built for another torch fails otherwise."""
+    try:
+        import flashinfer
+        import flashinfer.mla  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return None, _error(e)
+    return flashinfer, None
+
+
+def _error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progress) -> dict:
+    """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
+    import torch
+
+    row = {"shape": s.name, "B": s.B, "S": s.S, "H": s.H, "dtype": opts.dtype, "page_size": opts.page_size,
+           "bytes": bytes_moved(s), "flops": flops(s), "intensity": flops(s) / bytes_moved(s),
+           "hmoe": {}, "flashinfer": {}, "checks": []}
+    progress(f"{s.name}: building a {s.B * s.S * (D_CKV + D_PE) * 2 / 1e9:.2f} GB paged cache")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
+    inp = make_inputs(s, opts.page_size, dtype, opts.device, opts.seed)
+    outs = {}
+    try:
+        progress(f"{s.name}: hmoe")
+        fn, out = hmoe_runner(inp, opts)
+        row["hmoe"], outs["hmoe"] = measure(fn, s, opts, flush, copy_gbps), out
+    except Exception as e:  # noqa: BLE001 - reported in the table; flashinfer still runs
+        row["hmoe"] = {"error": _error(e)}
+    for backend in BACKENDS if fi is not None else ():
+        if backend in fi_skip:
+            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
+            continue
+        try:
+            progress(f"{s.name}: flashinfer {backend} (a backend's first use may JIT-compile for minutes)")
+            fn, out = flashinfer_runner(fi, backend, inp, opts.page_size, use_graph=not opts.eager)
+            res = measure(fn, s, opts, flush, copy_gbps)
+            if "us" in row["hmoe"]:
+                res["speedup"] = res["us"] / row["hmoe"]["us"]  # > 1: hmoe is faster
+            row["flashinfer"][backend], outs[backend] = res, out
+        except Exception as e:  # noqa: BLE001 - a flashinfer failure is a table cell, never a crash
+            row["flashinfer"][backend] = {"error": _error(e)}
+    torch.cuda.synchronize()
+    n, tol = min(CHECK_REQUESTS, s.B), TOLERANCE[opts.dtype]
+    ref = reference(inp, n, SM_SCALE)
+
+    def check(what, err, tol, counts):  # counts False: says something about flashinfer, not hmoe
+        row["checks"].append({"what": what, "rel_err": err, "tol": tol, "ok": err <= tol, "counts": counts})
+        return err <= tol
+
+    ok = {impl: check(f"{impl} vs ref", rel_err(out[:n], ref), tol, impl == "hmoe") for impl, out in outs.items()}
+    for backend in (b for b in BACKENDS if b in outs and "hmoe" in outs):
+        # all B requests; two roundings of the same math differ by up to twice one's error. It
+        # counts against hmoe only where flashinfer itself matched the reference
+        check(f"hmoe vs {backend}", rel_err(outs["hmoe"], outs[backend].double()), 2 * tol, ok[backend])
+    row["failed"] = "error" in row["hmoe"] or any(c["counts"] and not c["ok"] for c in row["checks"])
+    del inp, outs, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def check_cell(row: dict) -> str:
+    if "error" in row["hmoe"]:
+        return "FAIL hmoe: " + row["hmoe"]["error"]
+    bad = [c for c in row["checks"] if c["counts"] and not c["ok"]]
+    if bad:
+        return "FAIL " + ", ".join(f"{c['what']} {c['rel_err']:.1e} > {c['tol']:.0e}" for c in bad)
+    good = ", ".join(f"{c['what'].replace('hmoe vs ', '')} {c['rel_err']:.1e}" for c in row["checks"] if c["counts"])
+    off = [c["what"] for c in row["checks"] if not c["counts"] and not c["ok"]]
+    return f"ok {good}" + (f" (flashinfer off: {', '.join(off)})" if off else "")
+
+
+def _fi(row: dict, backend: str, key: str) -> str:
+    res = row["flashinfer"].get(backend) or {}
+    if key == "speedup" or not res:
+        return f"{res['speedup']:.2f}x" if res.get("speedup") else "-"
+    return f"{res['us']:.1f}" if "us" in res else ("error" if "error" in res else "n/a")
+
+
+def _hm(key: str, fmt: str):
+    return lambda r: format(r["hmoe"][key], fmt) if r["hmoe"].get(key) is not None else "-"
+
+
+COLUMNS = [  # (title, width, cell)
+    ("shape BxSxH", 13, lambda r: r["shape"]), ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
+    ("us(med)", 9, _hm("us", ".1f")), ("GB/s", 6, _hm("gbps", ".0f")), ("TFLOP/s", 7, _hm("tflops", ".1f")),
+    ("%copy", 6, _hm("copy_frac", ".1%")),
+    ("fa2 us", 9, lambda r: _fi(r, "fa2", "us")), ("x fa2", 6, lambda r: _fi(r, "fa2", "speedup")),
+    ("fa3 us", 9, lambda r: _fi(r, "fa3", "us")), ("x fa3", 6, lambda r: _fi(r, "fa3", "speedup")),
+    ("check", 0, check_cell),
+]
+
+
+def format_header() -> str:
+    head = "  ".join(f"{t:<{w}}" for t, w, _ in COLUMNS).rstrip()
+    return head + "\n" + "-" * len(head)
+
+
+def format_row(row: dict) -> str:
+    """The table line, then an indented line per flashinfer error and per timing note (skips are
+    said once above the table, hmoe's error in its check cell)."""
+    lines = ["  ".join(f"{cell(row):<{w}}" for _, w, cell in COLUMNS).rstrip()]
+    for name, res in [("hmoe", row["hmoe"])] + list(row["flashinfer"].items()):
+        lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
+    return "\n".join(lines)
+
+
+def plot_roofline(rows: list, copy_gbps: float, peak_tflops: float, path: str, title: str) -> None:
+    """Roofline PNG, log-log: x arithmetic intensity (FLOP/byte), y TFLOP/s; the bandwidth roof
+    from the measured copy bandwidth, the compute roof from the measured bf16 matmul."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # GPU servers have no display
+    import matplotlib.pyplot as plt
+
+    xs = [r["intensity"] for r in rows] + [peak_tflops * 1e3 / copy_gbps]  # + the ridge point
+    lo, hi = min(xs) / 4, max(xs) * 4
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ax.loglog(grid, [min(copy_gbps * x / 1e3, peak_tflops) for x in grid], "k-", lw=1.5,
+              label=f"roof: copy {copy_gbps:.0f} GB/s, bf16 matmul {peak_tflops:.0f} TFLOP/s")
+    for impl, marker, color in (("hmoe", "o", "tab:red"), ("fa2", "s", "tab:blue"), ("fa3", "^", "tab:green")):
+        pts = [(r["intensity"], res["tflops"], r["shape"]) for r in rows
+               for res in [r["hmoe"] if impl == "hmoe" else r["flashinfer"].get(impl) or {}] if "tflops" in res]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, zorder=3,
+                       label="hmoe mla_decode" if impl == "hmoe" else f"flashinfer {impl}")
+        for k, (x, y, label) in enumerate(sorted(pts) if impl == "hmoe" else ()):  # stagger labels of a cluster
+            near = sum(abs(math.log(x / q[0])) < 0.15 for q in sorted(pts)[:k])
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(14, 14 - 12 * near), fontsize=7,
+                        arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"})
+    ax.set(xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Time hmoe.ops.mla_decode against flashinfer's BatchMLAPagedAttentionWrapper (fa2, fa3) on the "
+        "same shuffled paged caches, relate it to the GPU's copy bandwidth and matmul peak, check every output."))
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of BxSxH (default {DEFAULT_SHAPES})")
+    p.add_argument("--dtype", default="bf16", choices=tuple(TOLERANCE))
+    p.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
+    p.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to mla_decode)")
+    p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
+    p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer in MiB (default 2048)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="write a roofline plot (needs matplotlib)")
+    opts = p.parse_args(argv)
+    try:
+        opts.shape_list = parse_shapes(opts.shapes)
+    except ValueError as e:
+        p.error(str(e))
+    if opts.page_size < 1 or opts.repeats < 1 or opts.warmup < 0:
+        p.error("--page-size and --repeats must be positive, --warmup >= 0")
+    return opts
+
+
+def main(argv=None, prog="python -m hmoe.bench mla") -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"hmoe.bench mla: no usable CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
+              f"built for CUDA {torch.version.cuda or 'none: a CPU-only build'}).\nThis benchmark times GPU kernels: "
+              "run it on a machine with an NVIDIA GPU; `python -m hmoe.compat check` says what hmoe sees.", file=sys.stderr)
+        return 2
+    if opts.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("hmoe.bench mla: --plot needs matplotlib (pip install matplotlib); or leave --plot out", file=sys.stderr)
+            return 2
+    import hmoe
+
+    def progress(msg):
+        print(f"[hmoe.bench] {msg}", file=sys.stderr, flush=True)
+
+    opts.device = dev = torch.device("cuda", torch.cuda.current_device())  # pick one with CUDA_VISIBLE_DEVICES
+    props = torch.cuda.get_device_properties(dev)
+    cc = (props.major, props.minor)
+    fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer()
+    fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != (9, 0) else {}
+    try:
+        sel = hmoe.ops.mla.select(dev.index, opts.variant)
+        selection = f"{sel.variant} ({sel.reason})"
+    except Exception as e:  # noqa: BLE001 - the rows show the error too
+        selection = f"none: {_error(e)}"
+    progress("measuring copy bandwidth and bf16 matmul peak")
+    copy = membw.gpu_copy_bandwidth(dev, (opts.copy_mib << 20) if opts.copy_mib else None)
+    peak = membw.gpu_matmul_tflops(dev)
+    timing = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
+    meta = {"gpu": props.name, "cc": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count,
+            "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
+            "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why, "flashinfer_skipped": fi_skip,
+            "dtype": opts.dtype, "page_size": opts.page_size, "sm_scale": SM_SCALE, "repeats": opts.repeats,
+            "warmup": opts.warmup, "timing": f"{timing}; CUDA events; median over repeats; L2 flushed before each"}
+    print(f"hmoe.bench mla  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 "
+          f"{(meta['l2_bytes'] or 0) / 2**20:.0f} MiB)  torch {torch.__version__}  hmoe {meta['hmoe']}  flashinfer "
+          f"{meta['flashinfer'] or 'unavailable: ' + str(fi_why)}" + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
+    print(f"hmoe variant: {selection};  {opts.dtype}, page size {opts.page_size}, sm_scale 1/sqrt(192), "
+          f"shuffled pages;  timing: {meta['timing']}")
+    print(f"copy bandwidth: {copy['gbps']:.0f} GB/s (torch copy_ of a {copy['bytes_buffer'] / 2**30:.2f} GiB buffer; "
+          f"bytes read + written; GB = 1e9 B);  bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s")
+    print("GB/s = (KV B*S*576 + q B*H*576 + out B*H*512) * 2 B / median time; TFLOP/s = B*H*S*(576+512)*2 / time;\n"
+          "%copy = GB/s / copy bandwidth; x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
+          f"check = normwise rel. error vs an fp64 reference (first {CHECK_REQUESTS} requests) and vs flashinfer "
+          "(all requests); FAIL over tolerance\n")
+    print(format_header(), flush=True)
+    flush, rows = membw.GpuL2Flusher(dev), []
+    for s in opts.shape_list:
+        rows.append(run_shape(s, opts, fi, fi_skip, copy["gbps"], flush, progress))
+        print(format_row(rows[-1]), flush=True)
+    failures = sum(r["failed"] for r in rows)
+    print(f"\n{len(rows)} shapes, {f'{failures} FAILED' if failures else 'all hmoe outputs check out'}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"meta": meta, "copy_bandwidth": copy, "matmul": peak, "results": rows,
+                       "failures": failures}, f, indent=1)
+        progress(f"wrote {opts.json}")
+    if opts.plot:
+        plot_roofline(rows, copy["gbps"], peak["tflops"], opts.plot,
+                      f"MLA decode {opts.dtype}, page {opts.page_size}, {props.name}: hmoe vs flashinfer")
+        progress(f"wrote {opts.plot}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
