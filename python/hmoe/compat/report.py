@@ -1,0 +1,318 @@
+"""hmoe.compat.report(): what `python -m hmoe.compat check --json` prints, as plain data. Every
+probe is wrapped: a broken environment becomes lines and problems, never an exception."""
+from __future__ import annotations
+
+import importlib.machinery
+import platform
+
+from .. import dispatch
+from .._native import NativeModuleError, load
+from ..hardware import cpu as _cpu
+from ..hardware import gpu as _gpu
+from . import probes
+from . import selftest as _selftest
+
+SCHEMA_VERSION = 1
+
+# Backends outside hmoe's modules (the flashinfer MLA backend): name -> callable() -> dict
+# with at least "usable" (bool) and "detail" (str). Filled by the modules that add them.
+BACKEND_PROBES: dict = {}
+
+# Expected signature tables by native module name, for modules whose table is not named after
+# the module or op in hmoe._native.signatures (CUDA_OPS for cuda_ops, EXPERTS for experts_*).
+MODULE_SIGNATURES: dict = {}
+
+# CPU ops served by the baseline cpu_core module alone (no ISA variants to choose from).
+CPU_CORE_OPS = ("grouped_topk",)
+
+_FIX_NATIVE = "reinstall hmoe: pip install --force-reinstall --no-deps hmoe (or rebuild from source)"
+
+
+def backend_states() -> dict:
+    """name -> state of each registered backend (BACKEND_PROBES); a probe that raises reads as
+    unusable with the reason."""
+    out = {}
+    for name, fn in list(BACKEND_PROBES.items()):
+        try:
+            st = fn()
+            st = dict(st) if isinstance(st, dict) else {"detail": str(st)}
+            st.setdefault("usable", None)
+            st["detail"] = str(st.get("detail", ""))
+            out[name] = st
+        except Exception as e:
+            out[name] = {"usable": False, "detail": f"probe raised {type(e).__name__}: {e}"}
+    return out
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if not isinstance(e, (NativeModuleError, dispatch.NoGpuVariant)) \
+        else str(e)
+
+
+def _guard(fn, *args, **kw):
+    """(value, None) or (None, error line)."""
+    try:
+        return fn(*args, **kw), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit from a misbehaving import included
+        return None, _why(e)
+
+
+def expected_signatures(module: str, op: str | None = None) -> dict:
+    """What Python expects from hmoe._native.<module>: MODULE_SIGNATURES, else the table named
+    after the module (CUDA_OPS) or the op (EXPERTS) in hmoe._native.signatures, else {}
+    (then only the ABI version is checked)."""
+    from .._native import signatures as S
+
+    if module in MODULE_SIGNATURES:
+        return MODULE_SIGNATURES[module]
+    for name in (module, op or ""):
+        table = getattr(S, name.upper(), None)
+        if isinstance(table, dict):
+            return table
+    return {}
+
+
+class _Problems(list):
+    def add(self, severity: str, what: str, fix: str) -> None:
+        self.append({"severity": severity, "what": what, "fix": fix})
+
+
+def _hmoe_section(problems):
+    import hmoe
+    from pathlib import Path
+
+    sec = {"version": hmoe.__version__, "git_revision": None,
+           "install_path": str(Path(hmoe.__file__).resolve().parent),
+           "python": platform.python_version(), "platform": platform.platform(),
+           "manifest": None, "error": None}
+    manifest, err = _guard(hmoe.build_info)
+    if err:
+        sec["error"] = err
+        problems.add("error", f"hmoe's build manifest is unreadable: {err}", _FIX_NATIVE)
+        return sec, {}
+    sec["manifest"] = manifest
+    sec["git_revision"] = manifest.get("git_revision")
+    if manifest.get("version") != hmoe.__version__:
+        problems.add("error", f"hmoe's Python files are version {hmoe.__version__}, its native "
+                     f"build {manifest.get('version')}", _FIX_NATIVE)
+    return sec, manifest
+
+
+def _load_status(module: str, table: dict) -> dict:
+    try:
+        load(module, table)
+    except NativeModuleError as e:
+        msg = str(e)
+        status = ("missing" if "not in this installation" in msg else
+                  "load_error" if "could not be loaded" in msg else "signature_mismatch")
+        return {"loaded": status == "signature_mismatch", "signature_ok": False,
+                "status": status, "detail": msg}
+    except BaseException as e:  # noqa: BLE001 - whatever a corrupt .so raises
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        return {"loaded": False, "signature_ok": False, "status": "load_error", "detail": _why(e)}
+    note = "" if table else " (no expected table known: ABI version checked only)"
+    return {"loaded": True, "signature_ok": True, "status": "ok",
+            "detail": "loads, signature table matches" + note}
+
+
+def _file(module: str):
+    """The module's file on disk, found without importing it (and without sys.modules)."""
+    from .. import _native
+
+    spec, _ = _guard(importlib.machinery.PathFinder.find_spec, f"hmoe._native.{module}",
+                     list(_native.__path__))
+    return getattr(spec, "origin", None) if spec is not None else None
+
+
+def _variants(manifest, real_cpu, cpu_err, problems) -> list:
+    """Every native module of the build: present, loads, signature ok. A CPU module is loaded
+    only when this CPU can run its ISA: a static initialiser compiled with -mavx512f could
+    otherwise execute an instruction this CPU lacks while the module loads."""
+    out = []
+    levels = {lv["name"]: lv for lv in _cpu.levels(manifest.get("processor"))}
+    cpu_mods = [("cpu_core", None, "baseline")] + [
+        (name, e["op"], e["isa"]) for name, e in manifest.get("cpu_modules", {}).items()]
+    for name, op, isa in cpu_mods:
+        row = {"kind": "cpu", "module": name, "ops": [op] if op else list(CPU_CORE_OPS),
+               "isa": isa, "file": _file(name), "kernels": []}
+        row["present"] = row["file"] is not None
+        missing = [] if isa == "baseline" else \
+            (_cpu.missing_requirements(levels[isa], real_cpu) if real_cpu and isa in levels else None)
+        if not row["present"]:
+            row.update(loaded=False, signature_ok=None, status="missing",
+                       detail="file not in the installation")
+        elif missing is None:
+            row.update(loaded=False, signature_ok=None, status="not_loaded",
+                       detail=f"present, not loaded: CPU features unknown ({cpu_err or 'unknown level'})")
+        elif missing:
+            row.update(loaded=False, signature_ok=None, status="not_loaded",
+                       detail=f"present, not loaded: CPU lacks {', '.join(missing)}")
+        else:
+            row.update(_load_status(name, expected_signatures(name, op)))
+        out.append(row)
+    by_module = {}
+    for e in manifest.get("cuda_kernels", {}).values():
+        mod = e["module"].rsplit(".", 1)[1]
+        by_module.setdefault(mod, []).append({"op": e["op"], "family": e["family"],
+                                              "sass": list(e.get("sass", [])),
+                                              "ptx": list(e.get("ptx", []))})
+    for mod, kernels in by_module.items():
+        # CUDA modules are compiled for the baseline ISA on the host side: safe to load.
+        row = {"kind": "cuda", "module": mod, "ops": sorted({k["op"] for k in kernels}),
+               "isa": None, "file": _file(mod), "kernels": kernels}
+        row["present"] = row["file"] is not None
+        if not row["present"]:
+            row.update(loaded=False, signature_ok=None, status="missing",
+                       detail="file not in the installation")
+        else:
+            row.update(_load_status(mod, expected_signatures(mod, kernels[0]["op"])))
+        out.append(row)
+    for row in out:
+        if row["status"] in ("missing", "load_error", "signature_mismatch"):
+            problems.add("error", f"native module {row['module']}: {row['status'].replace('_', ' ')}"
+                         f": {row['detail']}", _FIX_NATIVE)
+    return out
+
+
+def _row(device, op, sel=None, reason="", simulated=False):
+    return {"device": device, "op": op, "variant": sel.variant if sel else None,
+            "module": (sel.module or None) if sel else None, "target": (sel.target or None) if sel else None,
+            "reason": sel.reason if sel else reason, "ok": sel is not None, "simulated": simulated}
+
+
+def _cpu_selections(manifest, info, problems, simulated) -> list:
+    rows = []
+    ops = sorted({e["op"] for e in manifest.get("cpu_modules", {}).values()})
+    for op in ops:
+        try:
+            # A simulated CPU's modules are not loaded: this CPU may not run their ISA.
+            sel = dispatch.select_cpu(op, expected_signatures("", op), info=info,
+                                      load_module=not simulated)
+            rows.append(_row("cpu", op, sel, simulated=simulated))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            rows.append(_row("cpu", op, reason=_why(e), simulated=simulated))
+            fix = ("unset HMOE_CPU_ISA or pick a level this CPU runs" if isinstance(e, ValueError)
+                   else _FIX_NATIVE)
+            problems.add("error", f"cpu: {op}: {_why(e)}", fix)
+    for op in CPU_CORE_OPS:
+        _, err = _guard(load, "cpu_core", expected_signatures("cpu_core"))
+        sel = None if err else dispatch.Selection(op, "baseline", "cpu_core",
+                                                  "one build for every CPU (cpu_core)")
+        rows.append(_row("cpu", op, sel, reason=err or "", simulated=simulated))
+        if err:
+            problems.add("error", f"cpu: {op}: {err}", _FIX_NATIVE)
+    return rows
+
+
+def _gpu_selections(manifest, det, torch_info, problems) -> list:
+    rows = []
+    failed = {}  # (reason, fix) -> ([devices], [ops]): one problem for what many rows share
+    kernels = manifest.get("cuda_kernels", {})
+    ops = sorted({e["op"] for e in kernels.values()}) or ["grouped_topk"]
+    devices = [(d.label, d.compute_capability, det.driver_cuda) for d in det.visible]
+    if not det.ok and torch_info.get("devices"):
+        # No NVML: the devices torch saw (in its child process) stand in for it.
+        devices = [(f"cuda:{d['ordinal']} ({d['name']}, {d['cc'][0]}.{d['cc'][1]}) [from torch]",
+                    tuple(d["cc"]), None) for d in torch_info["devices"]]
+    for label, cc, driver_cuda in devices:
+        if cc is None:
+            rows += [_row(label, op, reason="compute capability unknown (see the GPU problems)")
+                     for op in ops]
+            problems.add("error", f"{label}: compute capability unknown", "check that nvidia-smi "
+                         "works; update the driver")
+            continue
+        for op in ops:
+            sigs = {e["family"]: expected_signatures(e["module"].rsplit(".", 1)[1], op)
+                    for e in kernels.values() if e["op"] == op}
+            try:
+                sel = dispatch.select_gpu(op, sigs, cc=cc, driver_cuda=driver_cuda, device_label=label)
+                rows.append(_row(label, op, sel, simulated=det.simulated))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                reason = getattr(e, "reason", None) or _why(e)
+                rows.append(_row(label, op, reason=reason, simulated=det.simulated))
+                fix = getattr(e, "fix", "") or ("unset HMOE_CUDA_VARIANT or pick a variant this GPU runs"
+                                                if isinstance(e, ValueError) else _FIX_NATIVE)
+                devs, ops_ = failed.setdefault((reason, fix), ({}, {}))
+                devs[label] = ops_[op] = True  # dicts as ordered sets
+    for (reason, fix), (devs, ops_) in failed.items():
+        problems.add("error", f"{', '.join(devs)}: {', '.join(ops_)}: {reason}", fix)
+    return rows
+
+
+def _gpu_problems(det, problems) -> None:
+    if not det.ok and not det.nvml_missing:
+        problems.add("error", f"NVML: {det.reason}", "fix the NVIDIA driver (nvidia-smi must work)")
+    elif not det.ok and "nvidia-ml-py" in (det.reason or ""):
+        problems.add("warning", det.reason, "pip install nvidia-ml-py")
+    for line in list(det.problems) + [p for g in det.gpus for p in g.problems]:
+        problems.add("warning", f"NVML query failed: {line}", "update the NVIDIA driver; "
+                     "information from this query is missing from the report")
+    for note in det.notes:
+        if "every entry after it" in note or "twice" in note or "without MIG devices" in note:
+            problems.add("warning", note, "fix CUDA_VISIBLE_DEVICES (nvidia-smi -L lists the UUIDs)")
+
+
+def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool = False,
+           _python=None) -> dict:
+    """The full report as JSON-ready data (see schema.json). simulate_gpu: compute capabilities
+    ("8.6", "9.0", ...) to select for instead of this machine's GPUs; simulate_cpu: an ISA level
+    of arch/cpu.json; selftest: run the selected variants once against references."""
+    problems = _Problems()
+    child = probes.PythonProbe(python=_python)  # runs while the rest is probed
+    rep = {"schema_version": SCHEMA_VERSION, "simulated": {"gpu": [str(c) for c in simulate_gpu],
+                                                           "cpu": simulate_cpu}}
+    rep["hmoe"], manifest = _hmoe_section(problems)
+
+    real_cpu, cpu_err = _guard(_cpu.cpu_info, request_amx=True)
+    if cpu_err:
+        problems.add("error", f"CPU detection failed: {cpu_err}", _FIX_NATIVE)
+    cpu_info = _cpu.simulated(simulate_cpu) if simulate_cpu else real_cpu
+    rep["cpu"] = probes.cpu_section(cpu_info) if cpu_info else {
+        "processor": _cpu.processor(), "vendor": None, "model": None, "features": {}, "xcr0": None,
+        "os_support": {}, "amx_permission": None, "simulated": False, "error": cpu_err}
+    rep["variants"] = _variants(manifest, real_cpu, cpu_err, problems) if manifest else []
+
+    det, err = _guard(lambda: _gpu.simulated(*simulate_gpu) if simulate_gpu else _gpu.detect())
+    if err:  # detect() does not raise; this is the last line of defence
+        det = _gpu.GpuDetection(False, f"GPU detection failed: {err}", None, None, (), (), None,
+                                "FASTEST_FIRST")
+    rep["gpus"] = probes.gpu_section(det)
+    _gpu_problems(det, problems)
+
+    py = child.result()
+    torch_sec, more = probes.torch_section(py.get("torch", {}), det)
+    flash, more2 = probes.flashinfer_section(py.get("flashinfer", {}))
+    for sev, what, fix in more + more2:
+        problems.add(sev, what, fix)
+    rep["torch"] = torch_sec
+    rep["backends"] = {"flashinfer": flash, "states": backend_states()}
+
+    rows = []
+    if manifest:
+        if cpu_info is not None:
+            rows += _cpu_selections(manifest, cpu_info, problems, bool(simulate_cpu))
+        rows += _gpu_selections(manifest, det, {} if simulate_gpu else torch_sec, problems)
+    rep["selections"] = rows
+
+    rep["selftests"] = None
+    if selftest:
+        devices = ["cpu"] + ([f"cuda:{d['ordinal']}" for d in torch_sec.get("devices", [])]
+                             if torch_sec.get("cuda_available") else [])
+        rep["selftests"] = _selftest.run(devices)
+        for r in rep["selftests"]:
+            if not r["ok"]:
+                problems.add("error", f"self-test {r['name']} on {r['device']} failed: {r['detail']}",
+                             "report it with this output; force another variant meanwhile "
+                             "(HMOE_CPU_ISA / HMOE_CUDA_VARIANT)")
+    rep["problems"] = list(problems)
+    bad = any(p["severity"] == "error" for p in problems)
+    rep["exit_code"] = 1 if bad else 0
+    rep["status"] = "problems" if bad else "ok"
+    return rep

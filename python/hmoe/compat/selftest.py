@@ -1,0 +1,98 @@
+"""compat --selftest: each selected variant runs once on small random inputs against a torch
+reference. SELFTESTS maps a name to callable(device: str) -> (ok, detail), or None when the
+test does not apply to that device ("cpu" or "cuda:N"); other ops register theirs here."""
+from __future__ import annotations
+
+SELFTESTS: dict = {}
+
+
+def _close(got, want, rtol: float, atol: float) -> tuple[bool, str]:
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    scale = want.double().abs().max().item() if want.numel() else 0.0
+    ok = err <= atol + rtol * scale
+    return ok, f"max abs error {err:.2e} (allowed {atol + rtol * scale:.2e})"
+
+
+def experts_selftest(device: str):
+    """moe_experts_cpu with fp32 weights (activations stay fp32 by contract) against fp64 math."""
+    if device != "cpu":
+        return None
+    import torch
+
+    from ..ops import experts as ex
+
+    g = torch.Generator().manual_seed(0)
+    T, K, E, H, I = 5, 2, 4, 64, 32
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    got = ex.moe_experts_cpu(x, ids, w, w13, w2)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            gu = w13[e].double() @ x[t].double()
+            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            want[t] += float(w[t, k]) * (w2[e].double() @ h)
+    ok, detail = _close(got, want, 1e-4, 1e-5)
+    return ok, f"{ex.select().variant}: {detail}"
+
+
+def _topk_reference(logits, bias, top_k, n_group, topk_group, rsf):
+    """DeepseekV3 routing (sigmoid + bias, groups ranked by their two best), in fp64."""
+    import torch
+
+    scores = torch.sigmoid(logits.double())
+    sel = scores + bias.double()
+    T, E = sel.shape
+    groups = sel.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(topk_group, dim=-1).indices, 1.0)
+    mask = keep.repeat_interleave(E // n_group, dim=1).bool()
+    ids = sel.masked_fill(~mask, float("-inf")).topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * rsf, ids
+
+
+def grouped_topk_selftest(device: str):
+    """grouped_topk (sigmoid, bias, 4 groups) against an fp64 reference; ids compared as sets."""
+    import torch
+
+    from ..ops import grouped_topk
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 32, generator=g)
+    bias = torch.randn(32, generator=g) * 0.1
+    want_w, want_ids = _topk_reference(logits, bias, 4, 4, 2, 2.5)
+    w, ids = grouped_topk(logits.to(device), 4, n_group=4, topk_group=2, scoring="sigmoid",
+                          bias=bias.to(device), routed_scaling_factor=2.5)
+    w, ids = w.cpu(), ids.cpu().long()
+    if not all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids, want_ids)):
+        return False, "chose different experts than the reference"
+    got = w.gather(1, ids.argsort(dim=1))
+    want = want_w.gather(1, want_ids.argsort(dim=1))
+    ok, detail = _close(got, want, 1e-5, 1e-6)
+    return ok, f"{'cpu_core' if device == 'cpu' else 'cuda_ops'}: {detail}"
+
+
+SELFTESTS["experts"] = experts_selftest
+SELFTESTS["grouped_topk"] = grouped_topk_selftest
+
+
+def run(devices) -> list[dict]:
+    """Every registered test on every device in `devices`; a test that raises fails."""
+    results = []
+    for name, fn in list(SELFTESTS.items()):
+        for dev in devices:
+            try:
+                r = fn(dev)
+            except BaseException as e:  # a self-test failing badly is still one line
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                r = (False, f"raised {type(e).__name__}: {e}")
+            if r is None:
+                continue
+            ok, detail = r
+            results.append({"name": name, "device": dev, "ok": bool(ok), "detail": str(detail)})
+    return results

@@ -1,0 +1,1 @@
+"""Tests of hmoe.compat: the report, its JSON schema and the command line."""

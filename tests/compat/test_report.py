@@ -1,0 +1,309 @@
+"""hmoe.compat.report() with injected hardware and failures: the right lines, the right exit
+code, nothing raised, and JSON that validates against schema.json."""
+import importlib
+import io
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import hmoe
+from hmoe import _native, compat
+from hmoe._native import signatures
+from hmoe.compat import render
+
+from ..hardware import fake_nvml as F
+from . import minischema
+
+SCHEMA = json.loads((Path(compat.__file__).parent / "schema.json").read_text())
+MANIFEST = hmoe.build_info()
+HAS_CUDA = bool(MANIFEST.get("cuda_version") and MANIFEST.get("cuda_kernels"))
+needs_cuda_build = pytest.mark.skipif(not HAS_CUDA, reason="this hmoe was built without CUDA")
+
+
+def run(**kw):
+    rep = compat.report(**kw)
+    assert minischema.errors(rep, SCHEMA) == []
+    text = render.render(rep)
+    assert "\033[" not in text
+    return rep, text
+
+
+def problems(rep, severity=None):
+    return [p["what"] for p in rep["problems"] if severity in (None, p["severity"])]
+
+
+def rows(rep, device_prefix):
+    return [r for r in rep["selections"] if r["device"].startswith(device_prefix)]
+
+
+def test_schema_uses_only_what_the_validator_knows():
+    assert minischema.unknown_keywords(SCHEMA) == []
+    assert SCHEMA["properties"]["schema_version"]["const"] == compat.SCHEMA_VERSION
+
+
+def test_this_machine_without_nvml(env):
+    rep, text = run()
+    assert rep["exit_code"] == 0 and rep["status"] == "ok", rep["problems"]
+    assert rep["gpus"]["nvml"] is False and "libnvidia-ml.so.1 not found" in rep["gpus"]["reason"]
+    assert rep["hmoe"]["version"] == hmoe.__version__ and rep["hmoe"]["manifest"]["version"]
+    assert {r["op"] for r in rows(rep, "cpu")} >= {"experts", "grouped_topk"}
+    assert all(r["ok"] for r in rep["selections"])
+    assert "== selected variant per device and op" in text and "problems\n  none" in text
+    assert rep["backends"]["flashinfer"]["detail"] == "not installed"
+    assert "flashinfer    not installed" in text
+
+
+def test_jsonschema_agrees_when_installed(env):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(compat.report(simulate_gpu=["9.0", "7.5"]), SCHEMA)
+
+
+def test_report_equals_json_output(env):
+    buf = io.StringIO()
+    assert compat.check(["check", "--json"], stdout=buf) == 0
+    assert json.loads(buf.getvalue()) == json.loads(json.dumps(compat.report()))
+
+
+def test_no_pynvml(env, monkeypatch):
+    monkeypatch.setattr("hmoe.hardware.gpu._NVML_HOOK", None)
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    env()
+    from hmoe.hardware import gpu
+    gpu.refresh()
+    rep, text = run()
+    assert rep["exit_code"] == 0 and "pip install nvidia-ml-py" in text
+    assert any("nvidia-ml-py" in p for p in problems(rep, "warning"))
+
+
+@pytest.mark.parametrize("err", [F.NVMLError_DriverNotLoaded, F.NVMLError_LibRmVersionMismatch])
+def test_driver_broken_is_an_error(env, err):
+    env(nvml=F.make([F.H200], init_error=err))
+    rep, text = run()
+    assert rep["exit_code"] == 1 and any(p.startswith("NVML: ") for p in problems(rep, "error"))
+    assert "NVML          unavailable" in text
+
+
+@needs_cuda_build
+def test_h200(env):
+    env(nvml=F.make([F.H200]))
+    rep, text = run()
+    (d,) = rep["gpus"]["devices"]
+    assert (d["cuda_ordinal"], d["compute_capability"], d["mig_mode"]) == (0, "9.0", False)
+    assert rep["gpus"]["driver_cuda"] == "13.0" and rep["gpus"]["driver_version"] == "580.65.06"
+    gpu_rows = rows(rep, "cuda:0")
+    assert gpu_rows and all(r["ok"] and r["reason"].endswith("SASS") for r in gpu_rows)
+    assert "nvml 0  cuda:0  NVIDIA H200  cc 9.0  141.0 GiB  MIG off" in text
+    assert rep["exit_code"] == 0
+
+
+@pytest.mark.parametrize("fn", ["nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion_v2",
+                                "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
+                                "nvmlDeviceGetName", "nvmlDeviceGetUUID",
+                                "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMemoryInfo",
+                                "nvmlDeviceGetPciInfo", "nvmlDeviceGetMigMode"])
+def test_nvml_query_failures(env, fn):
+    env(nvml=F.make([F.H200], fail={fn: F.NVMLError_Unknown}))
+    rep, text = run()
+    assert any("NVMLError_Unknown" in p for p in problems(rep, "warning"))
+    cc_lost = fn in ("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetCudaComputeCapability")
+    if cc_lost:
+        assert any("compute capability unknown" in p for p in problems(rep, "error"))
+    if fn == "nvmlDeviceGetCount":
+        assert rep["gpus"]["devices"] == []
+    assert rep["exit_code"] == (1 if cc_lost or not HAS_CUDA and fn != "nvmlDeviceGetCount" else 0)
+
+
+@needs_cuda_build
+def test_old_driver(env):
+    env(nvml=F.make([F.H200], driver="535.104.05", cuda=12020))
+    rep, text = run()
+    assert rep["exit_code"] == 1
+    (r, *_) = rows(rep, "cuda:0")
+    need = ".".join(MANIFEST["cuda_version"].split(".")[:2])
+    assert r["reason"].startswith(f"driver too old: it supports CUDA 12.2, this build needs {need.split('.')[0]}.0")
+    assert any("upgrade the driver" in p["fix"] for p in rep["problems"])
+
+
+@needs_cuda_build
+def test_mig(env):
+    mig = F.mig_a100()
+    env(nvml=F.make([mig]))
+    rep, text = run()
+    (d,) = rep["gpus"]["devices"]
+    assert d["mig_mode"] is True and d["cuda_ordinal"] is None
+    assert [m["cuda_ordinal"] for m in d["mig_devices"]] == [0, None]
+    assert rows(rep, "cuda:0 (NVIDIA A100-SXM4-80GB MIG 3g.40gb, 8.0)")
+    assert "MIG cuda:0" in text and "one MIG device" in text and rep["exit_code"] == 0
+
+
+@needs_cuda_build
+def test_uuids_in_cuda_visible_devices(env, monkeypatch):
+    env(nvml=F.make([F.A100, F.H200]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8932f937,GPU-nope,0")
+    rep, text = run()
+    ords = {d["name"]: d["cuda_ordinal"] for d in rep["gpus"]["devices"]}
+    assert ords == {"NVIDIA A100-SXM4-80GB": None, "NVIDIA H200": 0}
+    assert any("'GPU-nope'" in p for p in problems(rep, "warning"))
+    assert "CUDA_VISIBLE_DEVICES 'GPU-8932f937,GPU-nope,0'" in text
+
+
+def test_simulated_gpus_and_cpu(env):
+    rep, text = run(simulate_gpu=["8.6", "9.0", "10.0", "7.5"], simulate_cpu="avx2")
+    assert rep["simulated"] == {"gpu": ["8.6", "9.0", "10.0", "7.5"], "cpu": "avx2"}
+    assert rep["gpus"]["simulated"] and rep["cpu"]["simulated"]
+    assert rows(rep, "cpu")[0]["variant"] == "avx2"
+    if HAS_CUDA:
+        reasons = {r["device"]: r["reason"] for r in rep["selections"] if r["device"] != "cpu"}
+        assert reasons["cuda:0 (simulated GPU, 8.6)"] == "fallback: sm_80 SASS on 8.6 (same major)"
+        assert reasons["cuda:2 (simulated GPU, 10.0)"] == "fallback: PTX JIT (compute_90) on 10.0"
+        assert reasons["cuda:3 (simulated GPU, 7.5)"] == "unsupported: 7.5 < 8.0"
+    assert rep["exit_code"] == 1 and "[simulated]" in text
+
+
+def _corrupt(monkeypatch, module):
+    # A None entry in sys.modules makes the import fail, as a truncated .so would (the real
+    # file stays where it is: test_cli.py corrupts a copy of the package).
+    monkeypatch.setitem(sys.modules, f"hmoe._native.{module}", None)
+
+
+def test_corrupt_cpu_module_falls_back(env, monkeypatch):
+    best = [r for r in compat.report()["variants"] if r["status"] == "ok" and r["kind"] == "cpu"][-1]
+    env()
+    monkeypatch.setattr(_native, "_loaded", {})
+    _corrupt(monkeypatch, best["module"])
+    rep, text = run()
+    row = next(r for r in rep["variants"] if r["module"] == best["module"])
+    assert row["status"] == "load_error" and rep["exit_code"] == 1
+    experts = next(r for r in rows(rep, "cpu") if r["op"] == "experts")
+    if best["ops"] == ["experts"]:
+        assert experts["ok"] and experts["variant"] != best["isa"]
+        assert experts["reason"].startswith("fallback: ")
+    assert "load error" in text
+
+
+def test_missing_module_file(env, monkeypatch):
+    R = importlib.import_module("hmoe.compat.report")
+    real = R._file
+    monkeypatch.setattr(R, "_file", lambda m: None if m == "experts_generic" else real(m))
+    rep, _ = run()
+    row = next(r for r in rep["variants"] if r["module"] == "experts_generic")
+    assert (row["present"], row["status"]) == (False, "missing") and rep["exit_code"] == 1
+
+
+def test_mismatched_signature_table(env, monkeypatch):
+    bad = dict(signatures.EXPERTS, moe_experts="moe_experts(x:ptr) -> None")
+    monkeypatch.setattr(signatures, "EXPERTS", bad)
+    rep, text = run()
+    loaded = [r for r in rep["variants"] if r["ops"] == ["experts"] and r["status"] != "not_loaded"]
+    assert loaded and all(r["status"] == "signature_mismatch" for r in loaded)
+    experts = next(r for r in rows(rep, "cpu") if r["op"] == "experts")
+    assert not experts["ok"] and "signature of moe_experts" in experts["reason"]
+    assert rep["exit_code"] == 1 and "reinstall hmoe" in text
+
+
+def test_module_from_another_version(env, monkeypatch):
+    fake = types.ModuleType("hmoe._native.cpu_core")
+    fake.abi_version = lambda: _native.ABI_VERSION + 1
+    fake.signatures = lambda: dict(signatures.CPU_CORE)
+    monkeypatch.setitem(sys.modules, "hmoe._native.cpu_core", fake)
+    rep, text = run()
+    row = next(r for r in rep["variants"] if r["module"] == "cpu_core")
+    assert row["status"] == "signature_mismatch" and "ABI version" in row["detail"]
+    assert rep["exit_code"] == 1
+
+
+@pytest.mark.parametrize("torch, words, code", [
+    ({"installed": True, "error": "OSError: libcudnn.so.9: cannot open shared object file"},
+     "torch is broken: OSError: libcudnn.so.9", 1),
+    ({"installed": None, "error": "importing torch/flashinfer was killed by signal 11"},
+     "killed by signal 11", 1),
+    ({"installed": False}, "torch is not installed", 0),
+])
+def test_torch_problems(env, torch, words, code):
+    env(torch=torch)
+    rep, text = run()
+    assert any(words in p for p in problems(rep)) and rep["exit_code"] == code
+
+
+def test_torch_sees_other_gpus(env):
+    env(nvml=F.make([F.H200]), torch={"installed": True, "version": "2.13.0", "cuda_version": "13.0",
+                                      "cuda_available": True, "devices": []})
+    rep, _ = run()
+    assert rep["torch"]["same_gpus"] is False
+    assert any("torch and NVML disagree" in p for p in problems(rep, "warning"))
+    env(torch={"installed": True, "version": "2.13.0", "cuda_version": "13.0", "cuda_available": True,
+               "devices": [{"ordinal": 0, "name": "NVIDIA H200", "cc": [9, 0],
+                            "uuid": F.H200["uuid"][4:]}]})
+    rep, text = run()
+    assert rep["torch"]["same_gpus"] is True and "same GPUs as NVML" in text
+
+
+def test_torch_devices_stand_in_for_nvml(env):
+    env(torch={"installed": True, "version": "2.13.0", "cuda_version": "13.0", "cuda_available": True,
+               "devices": [{"ordinal": 0, "name": "NVIDIA L40", "cc": [8, 9], "uuid": None}]})
+    rep, _ = run()
+    r = rows(rep, "cuda:0 (NVIDIA L40, 8.9) [from torch]")
+    assert r and (not HAS_CUDA or r[0]["reason"] == "native: sm_89 SASS")
+
+
+@pytest.mark.parametrize("fi, detail, warn", [
+    ({"installed": False}, "not installed", False),
+    ({"installed": True, "version": "0.2.9"}, "version 0.2.9", False),
+    ({"installed": True, "version": None}, "installed, version unknown", True),
+    ({"installed": True, "error": "RuntimeError: bad build"}, "installed, fails to import", True),
+])
+def test_flashinfer(env, fi, detail, warn):
+    env(flashinfer=fi)
+    rep, text = run()
+    assert rep["backends"]["flashinfer"]["detail"] == detail
+    assert any("flashinfer" in p for p in problems(rep, "warning")) == warn
+    assert rep["exit_code"] == 0
+
+
+def test_backend_states_hook(env, monkeypatch):
+    monkeypatch.setitem(compat.BACKEND_PROBES, "flashinfer-fa2", lambda: {"usable": True, "detail": "ok"})
+    monkeypatch.setitem(compat.BACKEND_PROBES, "flashinfer-fa3", lambda: 1 / 0)
+    rep, text = run()
+    st = rep["backends"]["states"]
+    assert st["flashinfer-fa2"] == {"usable": True, "detail": "ok"}
+    assert st["flashinfer-fa3"]["usable"] is False and "ZeroDivisionError" in st["flashinfer-fa3"]["detail"]
+    assert "flashinfer-fa3: not usable" in text
+
+
+def test_selftests(env, monkeypatch):
+    rep, text = run(selftest=True)
+    names = {(r["name"], r["device"]): r["ok"] for r in rep["selftests"]}
+    assert names == {("experts", "cpu"): True, ("grouped_topk", "cpu"): True}, rep["selftests"]
+    monkeypatch.setitem(compat.SELFTESTS, "broken", lambda dev: (False, "wrong numbers"))
+    monkeypatch.setitem(compat.SELFTESTS, "raises", lambda dev: 1 / 0)
+    monkeypatch.setitem(compat.SELFTESTS, "gpu_only", lambda dev: None if dev == "cpu" else (True, ""))
+    rep, text = run(selftest=True)
+    assert rep["exit_code"] == 1 and "broken on cpu: FAIL: wrong numbers" in text
+    assert any("ZeroDivisionError" in r["detail"] for r in rep["selftests"])
+    assert not any(r["name"] == "gpu_only" for r in rep["selftests"])
+
+
+def test_forced_cpu_isa_it_cannot_run(env, monkeypatch):
+    monkeypatch.setenv("HMOE_CPU_ISA", "amx")
+    rep, _ = run(simulate_cpu="avx2")
+    assert rep["exit_code"] == 1 and any("HMOE_CPU_ISA" in p["fix"] for p in rep["problems"])
+
+
+def test_check_exit_2_when_the_report_fails(env, monkeypatch, capsys):
+    monkeypatch.setattr(compat, "report", lambda **kw: 1 / 0)
+    assert compat.check(["check"]) == 2
+    assert "could not run" in capsys.readouterr().err
+    assert compat.check(["check", "--simulate-gpu", "abc"]) == 2
+    assert compat.check(["check", "--simulate-cpu", "sse9"]) == 2
+
+
+def test_colour_only_when_asked(env):
+    buf = io.StringIO()
+    compat.check(["check"], stdout=buf)
+    assert "\033[" not in buf.getvalue()
+    buf = io.StringIO()
+    compat.check(["check", "--color", "always"], stdout=buf)
+    assert "\033[" in buf.getvalue()

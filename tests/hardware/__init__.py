@@ -1,0 +1,1 @@
+"""Tests of hmoe.hardware (GPU detection through a fake NVML)."""
