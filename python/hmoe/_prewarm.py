@@ -29,4 +29,4 @@ def prewarm(device=None) -> None:
         raise ValueError(f"prewarm: unsupported device {device}")
     from .ops import _cuda
 
-    _cuda.prewarm(_cuda.device_index(torch, device), "prewarm")
+    _cuda.prewarm(_cuda.device_index(torch, device))

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import hmoe
-from hmoe.ops import topk as topk_mod
 
 from .topk_reference import grouped_topk_reference
 
@@ -366,7 +365,7 @@ def test_cuda_graph_capture(monkeypatch):
     x = torch.randn(32, 256, device=dev)
     bias = torch.randn(256, device=dev) * 0.1
     kw = dict(n_group=8, topk_group=4, scoring="sigmoid", bias=bias, routed_scaling_factor=2.5)
-    topk_mod.prewarm_cuda(dev.index)
+    hmoe.prewarm(dev)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

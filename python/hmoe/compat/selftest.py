@@ -76,8 +76,35 @@ def grouped_topk_selftest(device: str):
     return ok, f"{'cpu_core' if device == 'cpu' else 'cuda_ops'}: {detail}"
 
 
+def mla_decode_selftest(device: str):
+    """mla_decode (bf16, shuffled pages, a 0-length request) against an fp32 reference."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from ..ops import _cuda, mla_decode
+
+    g = torch.Generator().manual_seed(2)
+    B, H, page, lens = 2, 16, 64, [100, 0]
+    ckv = torch.randn(4, page, 512, generator=g).to(torch.bfloat16)
+    kpe = torch.randn(4, page, 64, generator=g).to(torch.bfloat16)
+    pt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    qn = torch.randn(B, H, 512, generator=g).to(torch.bfloat16)
+    qp = torch.randn(B, H, 64, generator=g).to(torch.bfloat16)
+    got = mla_decode(qn.to(device), qp.to(device), ckv.to(device), kpe.to(device), pt.to(device),
+                     torch.tensor(lens, dtype=torch.int32).to(device), sm_scale=0.07).float().cpu()
+    kv = ckv[pt[0].long()].reshape(-1, 512)[:100].float()
+    k = torch.cat([kv, kpe[pt[0].long()].reshape(-1, 64)[:100].float()], -1)
+    p = torch.softmax(torch.cat([qn[0], qp[0]], -1).float() @ k.T * 0.07, -1)
+    want = torch.stack([p @ kv, torch.zeros(H, 512)])
+    ok, detail = _close(got, want, 2e-2, 2e-2)
+    sel = _cuda.select("mla_decode", torch.device(device).index or 0)
+    return ok, f"{sel.variant} {sel.target}: {detail}"
+
+
 SELFTESTS["experts"] = experts_selftest
 SELFTESTS["grouped_topk"] = grouped_topk_selftest
+SELFTESTS["mla_decode"] = mla_decode_selftest
 
 
 def run(devices) -> list[dict]:

@@ -1,43 +1,53 @@
-"""Per-device lazy work of the CUDA module (load, shared-memory limits), done on the first eager
+"""The CUDA side of the ops: variant selection per (op, device) through hmoe.dispatch, and the
+per-device lazy work of the CUDA module (load, shared-memory limits), done on the first eager
 call or by hmoe.prewarm(), and refused inside CUDA-graph capture."""
 from __future__ import annotations
 
+import os
 import threading
 
-from .. import _arch, validation as V
+from .. import dispatch
 from .._native import load
 from .._native.signatures import CUDA_OPS
 
-_warm_lock = threading.Lock()
+_lock = threading.Lock()
 _warm_devices: set[int] = set()
+_selections: dict = {}
 
 
 def device_index(torch, device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def check_device(index: int, op: str) -> None:
-    torch = V.torch_module()
-    cc = torch.cuda.get_device_capability(index)
-    need = tuple(_arch.load("gpu")["min_compute_capability"])
-    if tuple(cc) < need:
-        raise RuntimeError(f"{op}: cuda:{index} has compute capability {cc[0]}.{cc[1]}; hmoe's "
-                           f"CUDA kernels need >= {need[0]}.{need[1]}")
+def select(op: str, index: int, variant: str | None = None) -> dispatch.Selection:
+    """The variant `op` runs on cuda:<index> (forced by `variant` or HMOE_CUDA_VARIANT); the
+    same decision hmoe.compat reports. Raises when the device cannot run any."""
+    key = (op, index, variant, os.environ.get("HMOE_CUDA_VARIANT"))
+    with _lock:
+        sel = _selections.get(key)
+    if sel is None:
+        sel = dispatch.select_gpu_for_device(op, CUDA_OPS, index, variant=variant)
+        with _lock:
+            _selections[key] = sel
+    return sel
 
 
-def prewarm(index: int, op: str = "prewarm") -> None:
-    """Load cuda_ops' kernels on cuda:<index> and set their shared-memory limits, so that later
-    calls, including under CUDA-graph capture, do no lazy work."""
-    with _warm_lock:
+def prewarm(index: int) -> None:
+    """Load the CUDA module on cuda:<index> and set its kernels' shared-memory limits, so that
+    later calls, including under CUDA-graph capture, do no lazy work."""
+    with _lock:
         if index in _warm_devices:
             return
-        check_device(index, op)
-        load("cuda_ops", CUDA_OPS).prewarm(index)
+    sel = select("mla_decode", index)
+    load(sel.module, CUDA_OPS).prewarm(index)
+    with _lock:
         _warm_devices.add(index)
 
 
-def module(torch, index: int, op: str):
-    """cuda_ops, prewarmed on cuda:<index>; a first use inside graph capture is an error."""
+def module(torch, index: int, op: str, variant: str | None = None):
+    """The module of op's selected variant, prewarmed on cuda:<index>; a first use inside
+    graph capture is an error."""
+    sel = select(op, index, variant)
     if index not in _warm_devices:
         with torch.cuda.device(index):
             capturing = torch.cuda.is_current_stream_capturing()
@@ -45,5 +55,5 @@ def module(torch, index: int, op: str):
             raise RuntimeError(f"{op}: first use on cuda:{index} inside CUDA-graph capture; its "
                                "lazy setup (module load, shared-memory limits) would break the "
                                "capture. Call hmoe.prewarm() or run the op once eagerly first")
-        prewarm(index, op)
-    return load("cuda_ops", CUDA_OPS)
+        prewarm(index)
+    return load(sel.module, CUDA_OPS)

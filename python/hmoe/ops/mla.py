@@ -17,7 +17,7 @@ import math
 import os
 import threading
 
-from .. import _dtypes, dispatch, validation as V
+from .. import _dtypes, validation as V
 from .._native.signatures import CUDA_OPS
 from . import _cuda
 
@@ -25,20 +25,7 @@ D_CKV, D_PE = 512, 64
 MAX_HEADS = 128
 
 _lock = threading.Lock()
-_selections: dict = {}
 _plans: dict = {}
-
-
-def select(index: int, variant: str | None = None) -> dispatch.Selection:
-    """The variant mla_decode runs on cuda:<index> (forced by `variant` or HMOE_CUDA_VARIANT)."""
-    key = (index, variant, os.environ.get("HMOE_CUDA_VARIANT"))
-    with _lock:
-        sel = _selections.get(key)
-    if sel is None:
-        sel = dispatch.select_gpu_for_device("mla_decode", CUDA_OPS, index, variant=variant)
-        with _lock:
-            _selections[key] = sel
-    return sel
 
 
 def plan(mod, index: int, batch: int, heads: int, max_pages: int, page_size: int) -> tuple:
@@ -152,8 +139,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     if check_indices or os.environ.get("HMOE_CHECK_INDICES") == "1":
         validate_indices(page_table, seq_lens, page_size, P)
     index = _cuda.device_index(torch, dev)
-    select(index, variant)
-    mod = _cuda.module(torch, index, "mla_decode")
+    mod = _cuda.module(torch, index, "mla_decode", variant)
     splits = plan(mod, index, B, H, max_pages, page_size)[0]
     part_o = part_lse = None
     if splits > 1:

@@ -96,11 +96,6 @@ def _validate(torch, router_logits, top_k, n_group, topk_group, scoring, bias, r
     return top_k, n_group, topk_group, rsf
 
 
-def prewarm_cuda(index: int) -> None:
-    """Load cuda_ops' kernels on cuda:<index> (what the first eager call does)."""
-    _cuda.prewarm(index, "grouped_topk")
-
-
 def grouped_topk(router_logits, top_k, *, n_group=1, topk_group=1, scoring="softmax",
                  bias=None, renormalize=True, routed_scaling_factor=1.0):
     """Group-limited top-k routing of DeepseekV2 (scoring="softmax") and DeepseekV3
