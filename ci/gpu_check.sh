@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: build and install hmoe (every CUDA target), run the whole test suite
-# (GPU tests included) and the benchmarks, writing logs to the folder given as $1.
-#   usage: bash ci/gpu_check.sh OUTDIR [bench args...]
+# (GPU tests included), the compat check with self-tests and the benchmarks, writing logs to
+# the folder given as $1. flashinfer wheels in .device/whl/ (../shared/device/fetch-wheels.sh)
+# are installed first when present, for the mla comparison.
+#   usage: bash ci/gpu_check.sh OUTDIR [experts-bench args...]
 set -uo pipefail
 out=${1:?usage: ci/gpu_check.sh OUTDIR}
 shift || true
@@ -25,8 +27,15 @@ step() {  # step NAME CMD...: runs CMD, tees its log, remembers a failure
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1; cat "$out/gpu.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-200 > "$out/cpu.txt"; cat "$out/cpu.txt"
 
+if ls .device/whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .device/whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+
 step build env HMOE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install --no-build-isolation --no-deps -v . || { echo "build failed"; exit 1; }
 step tests python3 -m pytest tests -q -rs -p no:cacheprovider
+step compat python3 -m hmoe.compat check --selftest
+step bench_mla python3 -m hmoe.bench mla --json "$out/bench_mla.json" --plot "$out/mla_roofline.png"
 step bench_experts python3 -m hmoe.bench experts --json "$out/bench_experts.json" "$@"
 exit $status
