@@ -381,8 +381,8 @@ def test_cuda_graph_capture(monkeypatch):
     assert torch.equal(ids, eids)
     torch.testing.assert_close(w, ew, rtol=0, atol=0)
     # a first use under capture is refused with a clear error instead of breaking the capture
-    from hmoe.ops import _cuda
-    monkeypatch.setattr(_cuda, "_warm_devices", set())
+    from hmoe.ops import _cuda as cuda_ops
+    monkeypatch.setattr(cuda_ops, "_warm_devices", set())
     g2 = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prewarm"):
         with torch.cuda.graph(g2):
