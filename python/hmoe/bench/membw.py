@@ -165,8 +165,13 @@ def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5, threads:
 
 
 class CacheFlusher:
-    """Copies a buffer of 2x the last-level cache between timed calls, so a call does not find
-    the previous call's expert weights still cached (a real model runs other layers between)."""
+    """Reads a buffer of 2x the last-level cache between timed calls, so a call does not find
+    the previous call's expert weights still cached (a real model runs other layers between).
+    It reads rather than copies: a copy leaves the cache full of dirty lines whose write-backs
+    then eat into the next timed call's bandwidth, which penalises the faster call the most.
+    Then it idles 10 ms: torch's OpenMP workers spin after the read (GNU OpenMP's default wait
+    policy) and would take the cores from whichever implementation runs next; both the torch
+    loop and hmoe start from a quiet machine this way."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -175,11 +180,11 @@ class CacheFlusher:
 
             n = max(64 << 20, 2 * llc_bytes()) // 4
             self._src = torch.ones(n, dtype=torch.float32)
-            self._dst = torch.empty_like(self._src)
 
     def __call__(self) -> None:
         if self.enabled:
-            self._dst.copy_(self._src)
+            self._src.sum()
+            time.sleep(0.01)
 
 
 def gpu_copy_bandwidth(device, nbytes: int | None = None, repeats: int = 10) -> dict:
