@@ -81,8 +81,9 @@ void tiles_begin() { if constexpr (T::kAvailable) T::begin(); }
 template <class T = isa::Tiles>
 void tiles_end() { if constexpr (T::kAvailable) T::end(); }
 template <class T = isa::Tiles>
-void tiles_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad, float* C) {
-  if constexpr (T::kAvailable) T::mma_2x2(A, lda, B0, B1, kpad, C);
+void tiles_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad, float* C,
+               int64_t ldc) {
+  if constexpr (T::kAvailable) T::mma_2x2(A, lda, B0, B1, kpad, C, ldc);
 }
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
@@ -138,27 +139,44 @@ void packed_tile(int32_t w_dtype, int m, const void* A, int64_t lda, const void*
   });
 }
 
-// Runs C[rows][NR*16] = A rows x blocks for `rows` rows (any count), calling epi(row0, m, C, 32)
+// Output tiles are at most 32 rows x kMaxNR blocks of 16 columns.
+constexpr int kMaxNR = 4;
+constexpr int64_t kLdc = kMaxNR * kBlockN;
+
+// Runs C[rows][NR*16] = A rows x blocks for `rows` rows (any count), calling epi(row0, m, C, kLdc)
 // per tile of up to 32 rows. AMX handles 32-row tiles when it exists and the expert has rows.
 template <int NR, typename Epi>
 void packed_rows(const MoeParams& p, int64_t rows, const void* A, int64_t lda, const void* const* B, int64_t kd,
                  Epi&& epi) {
-  alignas(64) float C[32 * 32];
+  alignas(64) float C[32 * kLdc];
   const int64_t asz = p.w_dtype == kBF16 ? 2 : 4;
   if (use_tiles(p.w_dtype, rows)) {
-    const uint16_t* b1 = static_cast<const uint16_t*>(B[NR - 1]);
     for (int64_t r = 0; r < rows; r += 32) {
-      tiles_2x2(static_cast<const uint16_t*>(A) + r * lda, lda, static_cast<const uint16_t*>(B[0]), b1,
-                round_up(kd, kBf16KAlign), C);
-      epi(r, int(std::min<int64_t>(32, rows - r)), C, 32);
+      for (int j = 0; j < NR; j += 2) {
+        tiles_2x2(static_cast<const uint16_t*>(A) + r * lda, lda, static_cast<const uint16_t*>(B[j]),
+                  static_cast<const uint16_t*>(B[std::min(j + 1, NR - 1)]), round_up(kd, kBf16KAlign),
+                  C + j * kBlockN, kLdc);
+      }
+      epi(r, int(std::min<int64_t>(32, rows - r)), C, kLdc);
     }
     return;
   }
   for (int64_t r = 0; r < rows; r += isa::kMR) {
     int m = int(std::min<int64_t>(isa::kMR, rows - r));
-    packed_tile<NR>(p.w_dtype, m, static_cast<const char*>(A) + r * lda * asz, lda, B, kd, C, 32);
-    epi(r, m, C, 32);
+    packed_tile<NR>(p.w_dtype, m, static_cast<const char*>(A) + r * lda * asz, lda, B, kd, C, kLdc);
+    epi(r, m, C, kLdc);
   }
+}
+
+// packed_rows for a run-time block count nr in [1, isa::kNR].
+template <typename Epi>
+void packed_rows_n(int nr, const MoeParams& p, int64_t rows, const void* A, int64_t lda, const void* const* B,
+                   int64_t kd, Epi&& epi) {
+  static_assert(isa::kNR <= kMaxNR, "output tile");
+  if (nr >= 4 && isa::kNR >= 4) packed_rows<(isa::kNR >= 4 ? 4 : 1)>(p, rows, A, lda, B, kd, epi);
+  else if (nr == 3 && isa::kNR >= 3) packed_rows<(isa::kNR >= 3 ? 3 : 1)>(p, rows, A, lda, B, kd, epi);
+  else if (nr == 2) packed_rows<2>(p, rows, A, lda, B, kd, epi);
+  else packed_rows<1>(p, rows, A, lda, B, kd, epi);
 }
 
 void store_h(const Dims& d, const float* h, void* Hact, int64_t row, int64_t col) {
@@ -208,16 +226,16 @@ void run_moe(const MoeParams& p) {
     }
   });
 
-  // Per-thread scratch for two blocks packed on the fly (unpacked weights, packed path): a
-  // block pair is packed right before the rows that use it, so it is still in L2.
+  // Per-thread scratch for the blocks of one output tile packed on the fly (unpacked weights,
+  // packed path): they are packed right before the rows that use them, so they stay in L2.
   std::vector<std::unique_ptr<char[]>> scratch(static_cast<size_t>(threads));
   auto scratch_for = [&](int worker) {
-    if (!scratch[size_t(worker)]) scratch[size_t(worker)] = uninit<char>(2 * std::max(d.block13, d.block2));
+    if (!scratch[size_t(worker)]) scratch[size_t(worker)] = uninit<char>(kMaxNR * std::max(d.block13, d.block2));
     return scratch[size_t(worker)].get();
   };
 
   // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
-  auto tasks1 = make_tasks(r, d.n_pairs, 1, threads);
+  auto tasks1 = make_tasks(r, d.n_pairs, isa::kNR / 2, threads);
   pool.parallel_for(int64_t(tasks1.size()), threads, [&](int64_t ti, int worker) {
     const Task& tk = tasks1[size_t(ti)];
     const int64_t e = r.active[size_t(tk.a)];
@@ -225,19 +243,25 @@ void run_moe(const MoeParams& p) {
     const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? d.bytes13 : 2 * p.I * p.H * wsz);
     if (d.packed_path) {
       if (use_tiles(p.w_dtype, rows)) tiles_begin();
-      for (int64_t pr = tk.b0; pr < tk.b1; ++pr) {
+      // isa::kNR / 2 gate/up pairs per output tile.
+      for (int64_t pr = tk.b0; pr < tk.b1; pr += isa::kNR / 2) {
+        const int np = int(std::min<int64_t>(isa::kNR / 2, tk.b1 - pr));
         const char* blocks = w13e + 2 * pr * d.block13;
         if (!p.packed) {
           char* s = scratch_for(worker);
-          pack_w13_blocks(w13e, p.w_dtype, p.H, p.I, 2 * pr, 2 * pr + 2, s);
+          pack_w13_blocks(w13e, p.w_dtype, p.H, p.I, 2 * pr, 2 * (pr + np), s);
           blocks = s;
         }
-        const void* B[2] = {blocks, blocks + d.block13};
-        packed_rows<2>(p, rows, X.get() + row0 * d.ldx * asz, d.ldx, B, d.kx, [&](int64_t r0, int m, const float* C, int64_t ldc) {
+        const void* B[kMaxNR];
+        for (int j = 0; j < 2 * np; ++j) B[j] = blocks + j * d.block13;
+        packed_rows_n(2 * np, p, rows, X.get() + row0 * d.ldx * asz, d.ldx, B, d.kx,
+                      [&](int64_t r0, int m, const float* C, int64_t ldc) {
           float h[kBlockN];
           for (int i = 0; i < m; ++i) {
-            silu_mul16(C + i * ldc, C + i * ldc + kBlockN, h);
-            store_h(d, h, Hact.get(), row0 + r0 + i, pr * kBlockN);
+            for (int q = 0; q < np; ++q) {
+              silu_mul16(C + i * ldc + 2 * q * kBlockN, C + i * ldc + (2 * q + 1) * kBlockN, h);
+              store_h(d, h, Hact.get(), row0 + r0 + i, (pr + q) * kBlockN);
+            }
           }
         });
       }
@@ -275,7 +299,7 @@ void run_moe(const MoeParams& p) {
   });
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
-  auto tasks2 = make_tasks(r, d.n_out_blocks, 2, threads);
+  auto tasks2 = make_tasks(r, d.n_out_blocks, isa::kNR, threads);
   pool.parallel_for(int64_t(tasks2.size()), threads, [&](int64_t ti, int worker) {
     const Task& tk = tasks2[size_t(ti)];
     const int64_t e = r.active[size_t(tk.a)];
@@ -283,22 +307,21 @@ void run_moe(const MoeParams& p) {
     const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? d.bytes2 : p.H * p.I * wsz);
     if (d.packed_path) {
       if (use_tiles(p.w_dtype, rows)) tiles_begin();
-      for (int64_t nb = tk.b0; nb < tk.b1; nb += 2) {
-        const int nr = nb + 1 < tk.b1 ? 2 : 1;
+      for (int64_t nb = tk.b0; nb < tk.b1; nb += isa::kNR) {
+        const int nr = int(std::min<int64_t>(isa::kNR, tk.b1 - nb));
         const char* blocks = w2e + nb * d.block2;
         if (!p.packed) {
           char* s = scratch_for(worker);
           pack_w2_blocks(w2e, p.w_dtype, p.H, p.I, nb, nb + nr, s);
           blocks = s;
         }
-        const void* B[2] = {blocks, blocks + (nr - 1) * d.block2};
-        auto epi = [&](int64_t r0, int m, const float* C, int64_t ldc) {
+        const void* B[kMaxNR];
+        for (int j = 0; j < nr; ++j) B[j] = blocks + j * d.block2;
+        packed_rows_n(nr, p, rows, Hact.get() + row0 * d.ldh * asz, d.ldh, B, d.kh,
+                      [&](int64_t r0, int m, const float* C, int64_t ldc) {
           for (int i = 0; i < m; ++i)
             std::memcpy(Y.get() + (row0 + r0 + i) * d.ldy + nb * kBlockN, C + i * ldc, size_t(nr * kBlockN * 4));
-        };
-        const void* A = Hact.get() + row0 * d.ldh * asz;
-        if (nr == 2) packed_rows<2>(p, rows, A, d.ldh, B, d.kh, epi);
-        else packed_rows<1>(p, rows, A, d.ldh, B, d.kh, epi);
+        });
       }
       if (use_tiles(p.w_dtype, rows)) tiles_end();
       return;

@@ -13,6 +13,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 6;  // register kernel rows, for experts with few rows
+constexpr int kNR = 4;  // 16-column blocks per register tile
 
 struct Tiles {
   static constexpr bool kAvailable = true;
@@ -49,11 +50,11 @@ struct Tiles {
   }
   static void end() { _tile_release(); }
 
-  // C[32][32] (fp32, ldc 32) = A[32 rows, kpad] x blocks (B0, B1), kpad a multiple of 32.
+  // C[32][32] (fp32, row stride ldc) = A[32 rows, kpad] x blocks (B0, B1), kpad a multiple of 32.
   // A is bf16 row-major with lda elements; B0/B1 are packed blocks [kpad/2][16][2].
   // tmm0..3 accumulate, tmm4/5 hold A rows 0-15/16-31, tmm6/7 hold B0/B1.
   static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad,
-                      float* C) {
+                      float* C, int64_t ldc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -68,10 +69,10 @@ struct Tiles {
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, C, 128);
-    _tile_stored(1, C + 16, 128);
-    _tile_stored(2, C + 16 * 32, 128);
-    _tile_stored(3, C + 16 * 32 + 16, 128);
+    _tile_stored(0, C, ldc * 4);
+    _tile_stored(1, C + 16, ldc * 4);
+    _tile_stored(2, C + 16 * ldc, ldc * 4);
+    _tile_stored(3, C + 16 * ldc + 16, ldc * 4);
   }
 };
 

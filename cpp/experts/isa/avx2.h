@@ -7,6 +7,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 2;
+constexpr int kNR = 2;  // 16-column blocks per register tile
 struct Tiles { static constexpr bool kAvailable = false; };  // no matrix unit
 
 struct V { __m256 a, b; };

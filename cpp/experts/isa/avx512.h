@@ -5,6 +5,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 4;
+constexpr int kNR = 4;  // 16-column blocks per register tile
 struct Tiles { static constexpr bool kAvailable = false; };  // no matrix unit
 
 struct BPair { V lo, hi; };

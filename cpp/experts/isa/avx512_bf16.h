@@ -5,6 +5,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 6;
+constexpr int kNR = 4;  // 16-column blocks per register tile
 struct Tiles { static constexpr bool kAvailable = false; };
 
 }  // namespace hmoe::isa

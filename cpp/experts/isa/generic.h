@@ -9,6 +9,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 2;            // rows per register tile
+constexpr int kNR = 2;  // 16-column blocks per register tile
 struct Tiles { static constexpr bool kAvailable = false; };  // no matrix unit
 
 struct V { float v[16]; };
