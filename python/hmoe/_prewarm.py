@@ -2,6 +2,8 @@
 e.g. before CUDA-graph capture."""
 from __future__ import annotations
 
+import os
+
 
 def prewarm(device=None) -> None:
     """Loads the CPU experts module this machine selects and, for a CUDA device (default: the
@@ -29,4 +31,10 @@ def prewarm(device=None) -> None:
         raise ValueError(f"prewarm: unsupported device {device}")
     from .ops import _cuda
 
-    _cuda.prewarm(_cuda.device_index(torch, device))
+    index = _cuda.device_index(torch, device)
+    _cuda.prewarm(index)
+    variant = os.environ.get("HMOE_CUDA_VARIANT") or ""
+    if variant.startswith("flashinfer-"):  # its JIT build and self-check, outside any graph capture
+        from .ops import mla_flashinfer
+
+        mla_flashinfer.prewarm(index, backends=(variant.removeprefix("flashinfer-"),))

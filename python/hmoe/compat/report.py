@@ -17,6 +17,12 @@ SCHEMA_VERSION = 1
 # Backends outside hmoe's modules (the flashinfer MLA backend): name -> callable() -> dict
 # with at least "usable" (bool) and "detail" (str). Filled by the modules that add them.
 BACKEND_PROBES: dict = {}
+try:  # importing it also registers its variants with dispatch, for the selections below
+    from ..ops import mla_flashinfer as _mla_fi
+    BACKEND_PROBES.update({f"flashinfer-{b}": (lambda b=b: _mla_fi.compat_state(b)) for b in _mla_fi.BACKENDS})
+except Exception as _e:  # noqa: BLE001 - the check must run whatever state hmoe.ops is in
+    BACKEND_PROBES["flashinfer"] = lambda why=f"{type(_e).__name__}: {_e}": {
+        "usable": False, "detail": f"hmoe.ops.mla_flashinfer does not import: {why}"}
 
 # Expected signature tables by native module name, for modules whose table is not named after
 # the module or op in hmoe._native.signatures (CUDA_OPS for cuda_ops, EXPERTS for experts_*).

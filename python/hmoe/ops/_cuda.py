@@ -39,6 +39,8 @@ def prewarm(index: int) -> None:
         if index in _warm_devices:
             return
     sel = select("mla_decode", index)
+    if not sel.module:  # a flashinfer variant serves mla_decode; hmoe's module still serves grouped_topk
+        sel = select("grouped_topk", index)
     load(sel.module, CUDA_OPS).prewarm(index)
     with _lock:
         _warm_devices.add(index)

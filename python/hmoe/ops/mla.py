@@ -19,7 +19,7 @@ import threading
 
 from .. import _dtypes, validation as V
 from .._native.signatures import CUDA_OPS
-from . import _cuda
+from . import _cuda, mla_flashinfer  # importing mla_flashinfer registers "flashinfer-fa2"/"-fa3"
 
 D_CKV, D_PE = 512, 64
 MAX_HEADS = 128
@@ -139,6 +139,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     if check_indices or os.environ.get("HMOE_CHECK_INDICES") == "1":
         validate_indices(page_table, seq_lens, page_size, P)
     index = _cuda.device_index(torch, dev)
+    sel = _cuda.select("mla_decode", index, variant)
+    if sel.variant.startswith("flashinfer"):
+        return mla_flashinfer.run(sel.variant, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens,
+                                  sm_scale=sm_scale, return_lse=return_lse, out=out)
     mod = _cuda.module(torch, index, "mla_decode", variant)
     splits = plan(mod, index, B, H, max_pages, page_size)[0]
     part_o = part_lse = None
