@@ -283,9 +283,9 @@ def test_compat_probe(fi, monkeypatch):
 
 def test_torch_cuda_without_importing_torch():
     code = "import sys; from hmoe.ops import mla_flashinfer as m; print(m._hw.torch_cuda(), 'torch' in sys.modules)"
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     want = tuple(int(x) for x in torch.version.cuda.split(".")[:2]) if torch.version.cuda else None
-    assert got == [str(want), "False"]
+    assert got == f"{want} False"
 
 
 # --- the real flashinfer -------------------------------------------------------------------------------------
