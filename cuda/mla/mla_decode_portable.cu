@@ -5,7 +5,7 @@
 // of TILE tokens in flight (cp.async). Warp (hg, i) of the group, per tile:
 //   S = Q K^T   dims quarter i % 4 of the 576 (its Q fragments stay in registers) x tokens
 //               part i / 4; the 4 partial sums meet in shared memory (Q's staging area)
-//   softmax     all 16 heads, redundantly in each warp of the group, in registers (log2)
+//   softmax     16 / WPG of the heads, online, log2 domain
 //   O += P V    512 / WPG latent dims for all 16 heads, fp32 in registers
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,12 +33,15 @@ template <int HG, int TILE, int STAGES>
 struct Smem {
   static constexpr int kHeads = 16 * HG;
   static constexpr int kSRow = TILE + 4;   // fp32 partial scores
+  static constexpr int kPRow = TILE + 8;   // 16-bit probabilities (+16 B for ldmatrix)
   static constexpr int s = 0;              // the 4 partial score tiles
   static constexpr int kv = s + 4 * kHeads * kSRow * 4;  // KV tiles; Q is staged here first
-  static constexpr int rows = kv + STAGES * TILE * kRow * 2;  // STAGES x TILE source slots of KV rows
+  static constexpr int p = kv + STAGES * TILE * kRow * 2;
+  static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
+  static constexpr int rows = stats + 3 * kHeads * 4;   // STAGES x TILE source slots of KV rows
   static constexpr int bytes = rows + STAGES * TILE * 8;
   static_assert(kHeads <= STAGES * TILE, "Q is staged in the KV buffers");
-  static_assert(kv % 16 == 0 && rows % 16 == 0, "16-byte aligned regions");
+  static_assert(kv % 16 == 0 && p % 16 == 0, "16-byte aligned regions");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   constexpr int kTokS = TILE / (WPG / 4);  // tokens per warp in S
   constexpr int kN8 = kTokS / 8;           // n8 tiles of tokens per warp in S
   constexpr int kKS = kDim / 16 / 4;       // k16 steps of S per warp (9)
+  constexpr int kRowsW = 16 / WPG;         // softmax rows per warp
   constexpr int kDimsW = kMlaDimCkv / WPG; // latent dims of O per warp
   constexpr int kON8 = kDimsW / 8;
   static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 32 == 0, "tile shape");
@@ -151,6 +155,10 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   float* s_s = reinterpret_cast<float*>(smem + L::s);
   T* kv_s = reinterpret_cast<T*>(smem + L::kv);
   T* q_s = kv_s;  // Q's staging area until its fragments are in registers
+  T* p_s = reinterpret_cast<T*>(smem + L::p);
+  float* m_s = reinterpret_cast<float*>(smem + L::stats);
+  float* l_s = m_s + kHeads;
+  float* a_s = l_s + kHeads;
   int64_t* slots = reinterpret_cast<int64_t*>(smem + L::rows);
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
@@ -180,6 +188,10 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   }
   for (int i = 0; i < STAGES - 1; ++i)
     if (t0 + i < t1) kv_row_slots<TILE>(p, b, len, t0 + i, slots + i * TILE);
+  if (threadIdx.x < kHeads) {
+    m_s[threadIdx.x] = -INFINITY;
+    l_s[threadIdx.x] = 0.f;
+  }
   cp_async_wait<0>();
   __syncthreads();
   // This warp's Q fragments (16 heads x 144 dims) stay in registers; once every warp has
@@ -198,8 +210,6 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
   float o[kON8][4];
 #pragma unroll
   for (int j = 0; j < kON8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  // Running max (log2 domain) and sum of heads lane / 4 and lane / 4 + 8 of the group.
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   const float scale = p.sm_scale * kLog2e;
 
   for (int t = t0; t < t1; ++t) {
@@ -238,67 +248,74 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
     }
     __syncthreads();
 
-    // Online softmax, in registers: every warp of a head group reduces the 4 partial sums for
-    // all 16 heads x TILE tokens itself (the same arithmetic in each warp, so the same
-    // values), in the mma C-fragment layout, which is also the A-fragment layout P V needs.
-    // Redundant exp2 costs less than a barrier and a round trip of P through shared memory.
-    float sc[kN8][4];
-    const float* sr = s_s + (hg * 16 + lane / 4) * L::kSRow + (lane % 4) * 2;
+    // Online softmax of this warp's heads: the 4 partial sums, scaled, masked. The rows are
+    // independent: all loads first, then the reductions interleaved, so their shuffle
+    // latencies overlap instead of adding up row after row.
+    {
+      constexpr int kPer = TILE / 32;  // columns per lane
+      const int row0 = hg * 16 + wi * kRowsW;
+      float v[kRowsW][kPer], mx[kRowsW], m_old[kRowsW], sum[kRowsW];
 #pragma unroll
-    for (int j = 0; j < kN8; ++j) {
-      float2 lo = make_float2(0.f, 0.f), hi = make_float2(0.f, 0.f);
+      for (int rr = 0; rr < kRowsW; ++rr) {
+        m_old[rr] = m_s[row0 + rr];
+        mx[rr] = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 x = *reinterpret_cast<const float2*>(sr + w * kHeads * L::kSRow + j * 8);
-        const float2 y = *reinterpret_cast<const float2*>(sr + (w * kHeads + 8) * L::kSRow + j * 8);
-        lo.x += x.x;
-        lo.y += x.y;
-        hi.x += y.x;
-        hi.y += y.y;
+        for (int c = 0; c < kPer; ++c) {
+          const int col = lane * kPer + c;
+          float acc = 0.f;
+#pragma unroll
+          for (int w = 0; w < 4; ++w) acc += s_s[(w * kHeads + row0 + rr) * L::kSRow + col];
+          v[rr][c] = (t * TILE + col < len) ? acc * scale : -INFINITY;
+          mx[rr] = fmaxf(mx[rr], v[rr][c]);
+        }
       }
-      const int col = t * TILE + j * 8 + (lane % 4) * 2;
-      sc[j][0] = col < len ? lo.x * scale : -INFINITY;
-      sc[j][1] = col + 1 < len ? lo.y * scale : -INFINITY;
-      sc[j][2] = col < len ? hi.x * scale : -INFINITY;
-      sc[j][3] = col + 1 < len ? hi.y * scale : -INFINITY;
-    }
-    float alpha[2];
-    uint32_t pf[kN8][2];  // P as packed 16-bit pairs: [j][0] row lane/4, [j][1] row lane/4 + 8
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+      for (int off = 16; off > 0; off >>= 1)
 #pragma unroll
-      for (int j = 0; j < kN8; ++j) mx = fmaxf(mx, fmaxf(sc[j][2 * h], sc[j][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: p = 0
-      float sum = 0.f;
+        for (int rr = 0; rr < kRowsW; ++rr) mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], off));
 #pragma unroll
-      for (int j = 0; j < kN8; ++j) {
-        const float e0 = exp2f(sc[j][2 * h] - m_use), e1 = exp2f(sc[j][2 * h + 1] - m_use);
-        sum += e0 + e1;
-        pf[j][h] = pack2<T>(e0, e1);
+      for (int rr = 0; rr < kRowsW; ++rr) {
+        mx[rr] = fmaxf(m_old[rr], mx[rr]);                    // the new running max
+        const float m_use = mx[rr] == -INFINITY ? 0.f : mx[rr];  // all masked so far: p = 0
+        sum[rr] = 0.f;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          const float e = exp2f(v[rr][c] - m_use);
+          sum[rr] += e;
+          p_s[(row0 + rr) * L::kPRow + lane * kPer + c] = from_float<T>(e);
+        }
+        v[rr][0] = exp2f(m_old[rr] - m_use);  // alpha, kept in a free register
       }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      alpha[h] = exp2f(m_run[h] - m_use);
-      l_run[h] = l_run[h] * alpha[h] + sum;
-      m_run[h] = m_new;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int rr = 0; rr < kRowsW; ++rr) sum[rr] += __shfl_xor_sync(0xffffffffu, sum[rr], off);
+      if (lane == 0) {
+#pragma unroll
+        for (int rr = 0; rr < kRowsW; ++rr) {
+          l_s[row0 + rr] = l_s[row0 + rr] * v[rr][0] + sum[rr];
+          m_s[row0 + rr] = mx[rr];
+          a_s[row0 + rr] = v[rr][0];
+        }
+      }
     }
+    __syncthreads();
 
     // O = alpha * O + P V for 16 heads x this warp's latent dims.
+    const float al0 = a_s[hg * 16 + lane / 4], al1 = a_s[hg * 16 + lane / 4 + 8];
 #pragma unroll
     for (int j = 0; j < kON8; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
+      o[j][0] *= al0;
+      o[j][1] *= al0;
+      o[j][2] *= al1;
+      o[j][3] *= al1;
     }
+    const T* pa = p_s + (hg * 16 + (lane & 15)) * L::kPRow + (lane >> 4) * 8;
 #pragma unroll
-    for (int kk = 0; kk < TILE / 16; ++kk) {
-      const uint32_t a[4] = {pf[2 * kk][0], pf[2 * kk][1], pf[2 * kk + 1][0], pf[2 * kk + 1][1]};
-      const T* vb = kv + (kk * 16 + (lane & 15)) * kRow + wi * kDimsW + (lane >> 4) * 8;
+    for (int k0 = 0; k0 < TILE; k0 += 16) {
+      uint32_t a[4];
+      ldmatrix_x4(a, pa + k0);
+      const T* vb = kv + (k0 + (lane & 15)) * kRow + wi * kDimsW + (lane >> 4) * 8;
 #pragma unroll
       for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
@@ -309,6 +326,7 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
     }
   }
   cp_async_wait<0>();  // the (empty) groups committed past the last tile
+  __syncthreads();     // final m, l (and empty splits: the initial values)
 
   // Normalise and write: the output directly, or this split's fp32 partial.
 #pragma unroll
@@ -316,9 +334,9 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
     const int row = hg * 16 + lane / 4 + half * 8;
     const int h = head0 + row;
     if (h >= p.heads) continue;
-    const float l = l_run[half];
+    const float l = l_s[row];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse2 = l > 0.f ? m_run[half] + log2f(l) : -INFINITY;
+    const float lse2 = l > 0.f ? m_s[row] + log2f(l) : -INFINITY;
     const int64_t bh = int64_t(b) * p.heads + h;
     const int col0 = wi * kDimsW + (lane % 4) * 2;
     if (p.num_splits == 1) {
