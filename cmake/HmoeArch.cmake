@@ -49,10 +49,16 @@ string(JSON HMOE_GPU_PTX_portable GET "${HMOE_GPU_JSON}" ptx_target)
 set(HMOE_GPU_SASS_sm90a 90a)
 set(HMOE_GPU_PTX_sm90a "")
 
-# HMOE_CUDA_ARCHS overrides the portable targets, e.g. "80;90" (PTX for the highest).
-set(HMOE_CUDA_ARCHS "$ENV{HMOE_CUDA_ARCHS}" CACHE STRING "override arch/gpu.json SASS targets")
-if(HMOE_CUDA_ARCHS)
-  string(REPLACE "," ";" HMOE_GPU_SASS_portable "${HMOE_CUDA_ARCHS}")
+# HMOE_CUDA_ARCHS overrides the portable targets, e.g. "80,90" (PTX for the highest): from the
+# environment at every configure (so unsetting it takes effect in an existing build
+# directory), or from -DHMOE_CUDA_ARCHS=... when the environment does not set it.
+set(HMOE_CUDA_ARCHS "" CACHE STRING "override arch/gpu.json SASS targets (env HMOE_CUDA_ARCHS wins)")
+set(_archs "${HMOE_CUDA_ARCHS}")
+if(DEFINED ENV{HMOE_CUDA_ARCHS})
+  set(_archs "$ENV{HMOE_CUDA_ARCHS}")
+endif()
+if(_archs)
+  string(REPLACE "," ";" HMOE_GPU_SASS_portable "${_archs}")
   list(SORT HMOE_GPU_SASS_portable COMPARE NATURAL)
   list(GET HMOE_GPU_SASS_portable -1 HMOE_GPU_PTX_portable)
 endif()

@@ -18,7 +18,6 @@ import os
 import threading
 
 from .. import _dtypes, validation as V
-from .._native.signatures import CUDA_OPS
 from . import _cuda, mla_flashinfer  # importing mla_flashinfer registers "flashinfer-fa2"/"-fa3"
 
 D_CKV, D_PE = 512, 64

@@ -8,7 +8,7 @@ import numbers
 from .. import _dtypes, validation as V
 from . import _cuda
 from .._native import load
-from .._native.signatures import CPU_CORE, CUDA_OPS
+from .._native.signatures import CPU_CORE
 
 __all__ = ["grouped_topk"]
 
