@@ -1,12 +1,14 @@
-// Portable MLA decode (absorbed form) for sm_80 and newer: mma.sync m16n8k16, cp.async double
-// buffering, paged KV, split-KV with fp32 partials and a combine kernel.
+// Portable MLA decode (absorbed form) for sm_80 and newer: mma.sync m16n8k16, cp.async, paged
+// KV, split-KV with fp32 partials and a combine kernel.
 //
-// One CTA = (KV split, 16 * HG heads, request), WPG warps per 16-head group, STAGES KV tiles
-// of TILE tokens in flight (cp.async). Warp (hg, i) of the group, per tile:
-//   S = Q K^T   dims quarter i % 4 of the 576 (its Q fragments stay in registers) x tokens
-//               part i / 4; the 4 partial sums meet in shared memory (Q's staging area)
-//   softmax     16 / WPG of the heads, online, log2 domain
-//   O += P V    512 / WPG latent dims for all 16 heads, fp32 in registers
+// One CTA = (KV split, 16 * MT heads, request) and 4 warps, walking the cache in 32-token tiles
+// that arrive as 16-token halves through a ring of NB buffers (cp.async; while a tile is in use
+// the next NB - 2 halves are in flight). Every warp covers all of the CTA's heads, so each
+// shared-memory operand it loads feeds MT mma. Per tile:
+//   S = Q K^T   each warp a quarter of the 576 dims (its Q fragments stay in registers) x all
+//               tokens; the 4 partial sums meet in shared memory
+//   softmax     all warps, 128 / heads threads per head, online, log2 domain
+//   O += P V    each warp a quarter of the 512 latent dims, fp32 in registers
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -28,20 +30,27 @@ constexpr int kChunksCkv = kMlaDimCkv / 8;    // 16-byte chunks per row
 constexpr int kChunksRow = kDim / 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
 
-template <int HG, int TILE, int STAGES>
+constexpr int kWarps = 4;
+constexpr int kMaxSplits = 64;  // <= the combine kernel's 128 threads
+
+constexpr int kTile = 32;  // KV tokens per step of the softmax
+constexpr int kHalf = 16;  // KV tokens per ring buffer
+
+template <int MT, int NB>
 struct Smem {
-  static constexpr int kHeads = 16 * HG;
-  static constexpr int kSRow = TILE + 4;   // fp32 partial scores
-  static constexpr int kPRow = TILE + 8;   // 16-bit probabilities (+16 B for ldmatrix)
-  static constexpr int s = 0;              // the 4 partial score tiles
-  static constexpr int kv = s + 4 * kHeads * kSRow * 4;  // KV tiles; Q is staged here first
-  static constexpr int p = kv + STAGES * TILE * kRow * 2;
+  static constexpr int kHeads = 16 * MT;
+  static constexpr int kSRow = kTile + 4;  // fp32 partial scores
+  static constexpr int kPRow = kTile + 8;  // 16-bit probabilities (+16 B for ldmatrix)
+  static constexpr int s = 0;              // the partial score tiles, one per warp
+  static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring
+  static constexpr int p = kv + NB * kHalf * kRow * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
-  static constexpr int rows = stats + 3 * kHeads * 4;   // STAGES x TILE source slots of KV rows
-  static constexpr int bytes = rows + STAGES * TILE * 8;
-  static_assert(kHeads <= STAGES * TILE, "Q is staged in the KV buffers");
-  static_assert(kv % 16 == 0 && p % 16 == 0, "16-byte aligned regions");
+  static constexpr int rows = stats + 3 * kHeads * 4;   // NB x kHalf source slots of KV rows
+  static constexpr int bytes = rows + NB * kHalf * 8;
+  static_assert(NB >= 4, "two halves per tile and at least two in flight");
+  static_assert(kv % 16 == 0 && p % 16 == 0 && rows % 8 == 0, "aligned regions");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -60,10 +69,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -107,54 +112,55 @@ __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
   return min(max(len, 0), p.max_pages * p.page_size);
 }
 
-// Source row (token slot in the cache) of each token of KV tile `tile`, or -1 for a row to
-// zero-fill: past the sequence, or a page id outside the cache. Masked scores are -inf, but
-// 0 * NaN from stale cache rows in P V would still poison the output, hence zeros.
-template <int TILE>
-__device__ __forceinline__ void kv_row_slots(const MlaDecodeParams& p, int b, int len, int tile, int64_t* slots) {
-  for (int r = threadIdx.x; r < TILE; r += blockDim.x) {
-    const int tok = tile * TILE + r;
-    int64_t slot = -1;
-    if (tok < len) {
-      const int page = p.page_table[int64_t(b) * p.max_pages + tok / p.page_size];
-      if (page >= 0 && page < p.num_pages) slot = int64_t(page) * p.page_size + tok % p.page_size;
-    }
-    slots[r] = slot;
-  }
+// Page id of token `tok`, -1 past the sequence or outside the cache (rows to zero-fill: masked
+// scores are -inf, but 0 * NaN from stale cache rows in P V would still poison the output,
+// hence zeros). Read one iteration before the token's copy is issued, so the page-table
+// latency stays off the loop's critical path.
+__device__ __forceinline__ int token_page(const MlaDecodeParams& p, int b, int len, int tok) {
+  if (tok >= len) return -1;
+  const int page = p.page_table[int64_t(b) * p.max_pages + tok / p.page_size];
+  return page >= 0 && page < p.num_pages ? page : -1;
 }
 
-// Issues the cp.async copies of one KV tile whose row slots are in `slots`.
-template <typename T, int TILE, int NT>
-__device__ __forceinline__ void load_kv_tile(const MlaDecodeParams& p, const int64_t* slots, T* dst) {
+// Source slot (token index in the cache) of token `tok` from its page id, -1 to zero-fill.
+__device__ __forceinline__ int64_t token_slot(const MlaDecodeParams& p, int page, int tok) {
+  return page < 0 ? -1 : int64_t(page) * p.page_size + tok % p.page_size;
+}
+
+// Issues the cp.async copies of one 16-row ring buffer whose row slots are in `slots`: warp w
+// copies rows w, w + 4, ...; its lanes take the row's 1024 latent bytes and 128 rope bytes
+// contiguously.
+template <typename T>
+__device__ __forceinline__ void load_kv_half(const MlaDecodeParams& p, const int64_t* slots, T* dst) {
   const T* ckv = static_cast<const T*>(p.ckv);
   const T* kpe = static_cast<const T*>(p.kpe);
-#pragma unroll 4
-  for (int i = threadIdx.x; i < TILE * kChunksRow; i += NT) {
-    const int r = i / kChunksRow, c = i % kChunksRow;
-    const int64_t slot = slots[r];
-    const T* src = slot < 0 ? ckv
-                   : c < kChunksCkv ? ckv + slot * kMlaDimCkv + c * 8
-                                    : kpe + slot * kMlaDimPe + (c - kChunksCkv) * 8;
-    cp_async16(dst + r * kRow + c * 8, src, slot < 0 ? 0 : 16);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kHalf; r += kWarps) {
+    const int64_t slot = slots[r + warp];
+    const int bytes = slot < 0 ? 0 : 16;
+    const T* src_c = ckv + (slot < 0 ? 0 : slot * kMlaDimCkv) + lane * 8;
+    T* row = dst + (r + warp) * kRow;
+    cp_async16(row + lane * 8, src_c, bytes);
+    cp_async16(row + 256 + lane * 8, src_c + 256, bytes);
+    if (lane < kChunksRow - kChunksCkv)
+      cp_async16(row + kMlaDimCkv + lane * 8, kpe + (slot < 0 ? 0 : slot * kMlaDimPe) + lane * 8, bytes);
   }
 }
 
-template <typename T, int HG, int WPG, int TILE, int STAGES>
-__global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaDecodeParams p) {
-  using L = Smem<HG, TILE, STAGES>;
-  constexpr int NT = 32 * HG * WPG;
+template <typename T, int MT, int NB>
+__global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecodeParams p) {
+  constexpr int TILE = kTile;
+  using L = Smem<MT, NB>;
+  constexpr int NT = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
-  constexpr int kTokS = TILE / (WPG / 4);  // tokens per warp in S
-  constexpr int kN8 = kTokS / 8;           // n8 tiles of tokens per warp in S
-  constexpr int kKS = kDim / 16 / 4;       // k16 steps of S per warp (9)
-  constexpr int kRowsW = 16 / WPG;         // softmax rows per warp
-  constexpr int kDimsW = kMlaDimCkv / WPG; // latent dims of O per warp
+  constexpr int kN8 = TILE / 8;             // n8 tiles of tokens in S
+  constexpr int kKS = kDim / 16 / kWarps;   // k16 steps of S per warp (9)
+  constexpr int kDimsW = kMlaDimCkv / kWarps;  // latent dims of O per warp (128)
   constexpr int kON8 = kDimsW / 8;
-  static_assert(kN8 % 2 == 0 && kON8 % 2 == 0 && TILE % 32 == 0, "tile shape");
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_s = reinterpret_cast<float*>(smem + L::s);
   T* kv_s = reinterpret_cast<T*>(smem + L::kv);
-  T* q_s = kv_s;  // Q's staging area until its fragments are in registers
   T* p_s = reinterpret_cast<T*>(smem + L::p);
   float* m_s = reinterpret_cast<float*>(smem + L::stats);
   float* l_s = m_s + kHeads;
@@ -163,165 +169,197 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int hg = warp / WPG, wi = warp % WPG, dq = wi % 4, th = wi / 4;
   const int len = clamp_len(p, b);
   const int n_tiles = (len + TILE - 1) / TILE;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
-  // Q rows (zero rows past the last head) and the first tiles' row slots.
-  {
-    const T* qn = static_cast<const T*>(p.q_nope);
-    const T* qp = static_cast<const T*>(p.q_pe);
-    for (int i = threadIdx.x; i < kHeads * kChunksRow; i += NT) {
-      const int r = i / kChunksRow, c = i % kChunksRow, h = head0 + r;
-      const T* src = qn;
-      int bytes = 0;
-      if (h < p.heads) {
-        const int64_t bh = int64_t(b) * p.heads + h;
-        src = c < kChunksCkv ? qn + bh * kMlaDimCkv + c * 8 : qp + bh * kMlaDimPe + (c - kChunksCkv) * 8;
-        bytes = 16;
-      }
-      cp_async16(q_s + r * kRow + c * 8, src, bytes);
-    }
-    cp_async_commit();
-  }
-  for (int i = 0; i < STAGES - 1; ++i)
-    if (t0 + i < t1) kv_row_slots<TILE>(p, b, len, t0 + i, slots + i * TILE);
+  // The split's tokens [tok0, tok1) come in 16-token halves, half h into ring buffer h % NB.
+  // Halves 0 .. NB - 3 are issued first, two more at each step.
+  const int tok0 = t0 * TILE, tok1 = t1 * TILE, n_halves = 2 * (t1 - t0);
+  for (int rr = threadIdx.x; rr < kHalf * (NB - 2); rr += NT)
+    if (tok0 + rr < tok1) slots[rr] = token_slot(p, token_page(p, b, len, tok0 + rr), tok0 + rr);
+  const int r = threadIdx.x;  // r < 32: the row of the two halves issued per step it looks up
+  int next_page = r < 2 * kHalf && tok0 + kHalf * (NB - 2) + r < tok1 ? token_page(p, b, len, tok0 + kHalf * (NB - 2) + r) : -1;
   if (threadIdx.x < kHeads) {
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
   }
-  cp_async_wait<0>();
-  __syncthreads();
-  // This warp's Q fragments (16 heads x 144 dims) stay in registers; once every warp has
-  // read its own, the staging area takes KV tiles.
-  uint32_t qf[kKS][4];
-#pragma unroll
-  for (int ks = 0; ks < kKS; ++ks)
-    ldmatrix_x4(qf[ks], q_s + (hg * 16 + (lane & 15)) * kRow + (dq * kKS + ks) * 16 + (lane >> 4) * 8);
-  __syncthreads();
-  // Tiles t0 .. t0 + STAGES - 2, one commit group each (empty groups keep the count uniform).
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (t0 + i < t1) load_kv_tile<T, TILE, NT>(p, slots + i * TILE, kv_s + i * TILE * kRow);
+  __syncthreads();  // slots
+  // One commit group per half (empty groups keep the count uniform).
+  for (int h = 0; h < NB - 2; ++h) {
+    if (h < n_halves) load_kv_half<T>(p, slots + h * kHalf, kv_s + h * kHalf * kRow);
     cp_async_commit();
   }
-
-  float o[kON8][4];
+  // This warp's Q fragments (all heads x its 144 dims, zero rows past the last head) go straight
+  // from global memory into registers, in the mma A layout, while the first halves are in flight.
+  uint32_t qf[MT][kKS][4];
+  {
+    const T* qn = static_cast<const T*>(p.q_nope);
+    const T* qp = static_cast<const T*>(p.q_pe);
 #pragma unroll
-  for (int j = 0; j < kON8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int h = head0 + m * 16 + lane / 4 + hi * 8;
+        const int64_t bh = int64_t(b) * p.heads + min(h, p.heads - 1);
+#pragma unroll
+        for (int ks = 0; ks < kKS; ++ks) {
+          const int d = (warp * kKS + ks) * 16 + (lane % 4) * 2;  // a 16-dim block never straddles 512
+          const T* src = d < kMlaDimCkv ? qn + bh * kMlaDimCkv + d : qp + bh * kMlaDimPe + (d - kMlaDimCkv);
+          qf[m][ks][hi] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src) : 0u;
+          qf[m][ks][hi + 2] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src + 8) : 0u;
+        }
+      }
+  }
+
+  float o[MT][kON8][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < kON8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
   const float scale = p.sm_scale * kLog2e;
 
   for (int t = t0; t < t1; ++t) {
     const int i = t - t0;
-    const T* kv = kv_s + (i % STAGES) * TILE * kRow;
-    const int tn = t + STAGES - 1, bn = (i + STAGES - 1) % STAGES;
-    if (tn < t1) kv_row_slots<TILE>(p, b, len, tn, slots + bn * TILE);
-    cp_async_wait<STAGES - 2>();  // tile t's group; the STAGES - 2 younger ones may fly on
-    // After this barrier tile t and tile tn's slots are visible and every warp has left
-    // iteration t - 1, so buffer bn (tile t - 1's) is free for tile tn.
+    const int hn = 2 * i + NB - 2;  // the first of the two halves issued at this step
+    if (r < 2 * kHalf) {
+      const int tok = tok0 + kHalf * hn + r;
+      if (tok < tok1) slots[((hn + r / kHalf) % NB) * kHalf + r % kHalf] = token_slot(p, next_page, tok);
+      next_page = tok + 2 * kHalf < tok1 ? token_page(p, b, len, tok + 2 * kHalf) : -1;  // next step's
+    }
+    cp_async_wait<NB - 4>();  // halves 2i and 2i + 1; the NB - 4 younger ones may fly on
+    // After this barrier tile t and the slots of halves hn, hn + 1 are visible, and every warp
+    // has left step i - 1, so its two buffers (the ones of hn and hn + 1) are free.
     __syncthreads();
-    if (tn < t1) load_kv_tile<T, TILE, NT>(p, slots + bn * TILE, kv_s + bn * TILE * kRow);
-    cp_async_commit();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (hn + k < n_halves) load_kv_half<T>(p, slots + ((hn + k) % NB) * kHalf, kv_s + ((hn + k) % NB) * kHalf * kRow);
+      cp_async_commit();
+    }
+    const T* kvh[2] = {kv_s + ((2 * i) % NB) * kHalf * kRow, kv_s + ((2 * i + 1) % NB) * kHalf * kRow};
 
-    // Partial S = Q K^T over this warp's dims and tokens.
-    float s[kN8][4];
+    // Partial S = Q K^T over this warp's quarter of the dims, every head, 16 tokens at a time
+    // (fewer live accumulators next to O and Q).
 #pragma unroll
-    for (int j = 0; j < kN8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const T* kb = kv + (th * kTokS + (lane & 7) + (lane >> 4) * 8) * kRow + dq * kKS * 16 + ((lane >> 3) & 1) * 8;
+    for (int j = 0; j < kN8; j += 2) {
+      float s[MT][2][4];
 #pragma unroll
-    for (int ks = 0; ks < kKS; ++ks) {
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int j = 0; j < kN8; j += 2) {
+        for (int jj = 0; jj < 2; ++jj) s[m][jj][0] = s[m][jj][1] = s[m][jj][2] = s[m][jj][3] = 0.f;
+      const T* kb = kvh[j / 2] + ((lane & 7) + (lane >> 4) * 8) * kRow + warp * kKS * 16 + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < kKS; ++ks) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, kb + j * 8 * kRow + ks * 16);
-        mma16816<T>(s[j], qf[ks], bk);
-        mma16816<T>(s[j + 1], qf[ks], bk + 2);
-      }
-    }
-    float* sp = s_s + (dq * kHeads + hg * 16) * L::kSRow + th * kTokS;
+        ldmatrix_x4(bk, kb + ks * 16);
 #pragma unroll
-    for (int j = 0; j < kN8; ++j) {
-      const int col = j * 8 + (lane % 4) * 2;
-      *reinterpret_cast<float2*>(sp + (lane / 4) * L::kSRow + col) = make_float2(s[j][0], s[j][1]);
-      *reinterpret_cast<float2*>(sp + (lane / 4 + 8) * L::kSRow + col) = make_float2(s[j][2], s[j][3]);
+        for (int m = 0; m < MT; ++m) {
+          mma16816<T>(s[m][0], qf[m][ks], bk);
+          mma16816<T>(s[m][1], qf[m][ks], bk + 2);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        float* sp = s_s + (warp * kHeads + m * 16 + lane / 4) * L::kSRow + j * 8 + (lane % 4) * 2;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          *reinterpret_cast<float2*>(sp + jj * 8) = make_float2(s[m][jj][0], s[m][jj][1]);
+          *reinterpret_cast<float2*>(sp + 8 * L::kSRow + jj * 8) = make_float2(s[m][jj][2], s[m][jj][3]);
+        }
+      }
     }
     __syncthreads();
 
-    // Online softmax of this warp's heads: the 4 partial sums, scaled, masked. The rows are
-    // independent: all loads first, then the reductions interleaved, so their shuffle
-    // latencies overlap instead of adding up row after row.
+    // Online softmax, kTpr threads per head, kCpt score columns each: the 4 partial sums,
+    // scaled, masked; row max and sum reduced over the head's threads. The running max only
+    // moves when a score exceeds it by more than 2^kLazy (p then stays <= 2^kLazy, exact in
+    // fp32 and in P's dtype), so alpha is exactly 1 on most tiles and O's rescale is skipped.
     {
-      constexpr int kPer = TILE / 32;  // columns per lane
-      const int row0 = hg * 16 + wi * kRowsW;
-      float v[kRowsW][kPer], mx[kRowsW], m_old[kRowsW], sum[kRowsW];
+      constexpr int kTpr = NT / kHeads, kCpt = TILE / kTpr;
+      const int row = threadIdx.x / kTpr, c0 = (threadIdx.x % kTpr) * kCpt;
+      float v[kCpt];
 #pragma unroll
-      for (int rr = 0; rr < kRowsW; ++rr) {
-        m_old[rr] = m_s[row0 + rr];
-        mx[rr] = -INFINITY;
+      for (int c = 0; c < kCpt; c += 4) {
+        float4 acc = *reinterpret_cast<const float4*>(s_s + row * L::kSRow + c0 + c);
 #pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          const int col = lane * kPer + c;
-          float acc = 0.f;
-#pragma unroll
-          for (int w = 0; w < 4; ++w) acc += s_s[(w * kHeads + row0 + rr) * L::kSRow + col];
-          v[rr][c] = (t * TILE + col < len) ? acc * scale : -INFINITY;
-          mx[rr] = fmaxf(mx[rr], v[rr][c]);
+        for (int w = 1; w < kWarps; ++w) {
+          const float4 x = *reinterpret_cast<const float4*>(s_s + (w * kHeads + row) * L::kSRow + c0 + c);
+          acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
         }
+        v[c] = acc.x, v[c + 1] = acc.y, v[c + 2] = acc.z, v[c + 3] = acc.w;
+      }
+      const int valid = len - t * TILE - c0;  // columns of this thread inside the sequence
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kCpt; ++c) {
+        v[c] = c < valid ? v[c] * scale : -INFINITY;
+        mx = fmaxf(mx, v[c]);
       }
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
+      for (int off = kTpr / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = m_s[row];
+      // m_old = -inf: nothing seen yet; all masked so far (mx = -inf too): p = 0 with m = 0.
+      const float m_use = mx > m_old + kLazy ? mx : m_old == -INFINITY ? 0.f : m_old;
+      float sum = 0.f;
+      uint32_t pk[kCpt / 2];
 #pragma unroll
-        for (int rr = 0; rr < kRowsW; ++rr) mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], off));
-#pragma unroll
-      for (int rr = 0; rr < kRowsW; ++rr) {
-        mx[rr] = fmaxf(m_old[rr], mx[rr]);                    // the new running max
-        const float m_use = mx[rr] == -INFINITY ? 0.f : mx[rr];  // all masked so far: p = 0
-        sum[rr] = 0.f;
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          const float e = exp2f(v[rr][c] - m_use);
-          sum[rr] += e;
-          p_s[(row0 + rr) * L::kPRow + lane * kPer + c] = from_float<T>(e);
-        }
-        v[rr][0] = exp2f(m_old[rr] - m_use);  // alpha, kept in a free register
+      for (int c = 0; c < kCpt; c += 2) {
+        const float e0 = exp2f(v[c] - m_use), e1 = exp2f(v[c + 1] - m_use);
+        sum += e0 + e1;
+        pk[c / 2] = pack2<T>(e0, e1);
       }
+      if constexpr (kCpt == 8)
+        *reinterpret_cast<uint4*>(p_s + row * L::kPRow + c0) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      else
+        *reinterpret_cast<uint2*>(p_s + row * L::kPRow + c0) = make_uint2(pk[0], pk[1]);
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-        for (int rr = 0; rr < kRowsW; ++rr) sum[rr] += __shfl_xor_sync(0xffffffffu, sum[rr], off);
-      if (lane == 0) {
-#pragma unroll
-        for (int rr = 0; rr < kRowsW; ++rr) {
-          l_s[row0 + rr] = l_s[row0 + rr] * v[rr][0] + sum[rr];
-          m_s[row0 + rr] = mx[rr];
-          a_s[row0 + rr] = v[rr][0];
-        }
+      for (int off = kTpr / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (threadIdx.x % kTpr == 0) {
+        const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_use);
+        l_s[row] = l_s[row] * alpha + sum;
+        m_s[row] = m_use;
+        a_s[row] = alpha;
       }
     }
     __syncthreads();
 
-    // O = alpha * O + P V for 16 heads x this warp's latent dims.
-    const float al0 = a_s[hg * 16 + lane / 4], al1 = a_s[hg * 16 + lane / 4 + 8];
+    // O = alpha * O + P V for every head x this warp's latent dims (alpha = 1: no rescale).
+    {
+      float al[MT][2];
+      bool rescale = false;
 #pragma unroll
-    for (int j = 0; j < kON8; ++j) {
-      o[j][0] *= al0;
-      o[j][1] *= al0;
-      o[j][2] *= al1;
-      o[j][3] *= al1;
+      for (int m = 0; m < MT; ++m) {
+        al[m][0] = a_s[m * 16 + lane / 4], al[m][1] = a_s[m * 16 + lane / 4 + 8];
+        rescale |= al[m][0] != 1.f || al[m][1] != 1.f;
+      }
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int j = 0; j < kON8; ++j) {
+            o[m][j][0] *= al[m][0];
+            o[m][j][1] *= al[m][0];
+            o[m][j][2] *= al[m][1];
+            o[m][j][3] *= al[m][1];
+          }
+      }
     }
-    const T* pa = p_s + (hg * 16 + (lane & 15)) * L::kPRow + (lane >> 4) * 8;
 #pragma unroll
     for (int k0 = 0; k0 < TILE; k0 += 16) {
-      uint32_t a[4];
-      ldmatrix_x4(a, pa + k0);
-      const T* vb = kv + (k0 + (lane & 15)) * kRow + wi * kDimsW + (lane >> 4) * 8;
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], p_s + (m * 16 + (lane & 15)) * L::kPRow + k0 + (lane >> 4) * 8);
+      const T* vb = kvh[k0 / 16] + (lane & 15) * kRow + warp * kDimsW + (lane >> 4) * 8;
 #pragma unroll
       for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
         ldmatrix_x4_trans(bv, vb + j * 8);
-        mma16816<T>(o[j], a, bv);
-        mma16816<T>(o[j + 1], a, bv + 2);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma16816<T>(o[m][j], a[m], bv);
+          mma16816<T>(o[m][j + 1], a[m], bv + 2);
+        }
       }
     }
   }
@@ -330,57 +368,74 @@ __global__ void __launch_bounds__(32 * HG * WPG, 1) mla_decode_kernel(const MlaD
 
   // Normalise and write: the output directly, or this split's fp32 partial.
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = hg * 16 + lane / 4 + half * 8;
-    const int h = head0 + row;
-    if (h >= p.heads) continue;
-    const float l = l_s[row];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse2 = l > 0.f ? m_s[row] + log2f(l) : -INFINITY;
-    const int64_t bh = int64_t(b) * p.heads + h;
-    const int col0 = wi * kDimsW + (lane % 4) * 2;
-    if (p.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col0;
+  for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int j = 0; j < kON8; ++j)
-        *reinterpret_cast<uint32_t*>(out + j * 8) = pack2<T>(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
-      if (p.lse != nullptr && wi == 0 && lane % 4 == 0) p.lse[bh] = lse2 * kLn2;
-    } else {
-      const int64_t sbh = int64_t(split) * p.batch * p.heads + bh;
-      float* out = p.partial_o + sbh * kMlaDimCkv + col0;
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * 16 + lane / 4 + half * 8;
+      const int h = head0 + row;
+      if (h >= p.heads) continue;
+      const float l = l_s[row];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse2 = l > 0.f ? m_s[row] + log2f(l) : -INFINITY;
+      const int64_t bh = int64_t(b) * p.heads + h;
+      const int col0 = warp * kDimsW + (lane % 4) * 2;
+      if (p.num_splits == 1) {
+        T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col0;
 #pragma unroll
-      for (int j = 0; j < kON8; ++j)
-        *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[j][half * 2] * inv, o[j][half * 2 + 1] * inv);
-      if (wi == 0 && lane % 4 == 0) p.partial_lse[sbh] = lse2;
+        for (int j = 0; j < kON8; ++j)
+          *reinterpret_cast<uint32_t*>(out + j * 8) = pack2<T>(o[m][j][half * 2] * inv, o[m][j][half * 2 + 1] * inv);
+        if (p.lse != nullptr && warp == 0 && lane % 4 == 0) p.lse[bh] = lse2 * kLn2;
+      } else {
+        const int64_t sbh = int64_t(split) * p.batch * p.heads + bh;
+        float* out = p.partial_o + sbh * kMlaDimCkv + col0;
+#pragma unroll
+        for (int j = 0; j < kON8; ++j)
+          *reinterpret_cast<float2*>(out + j * 8) = make_float2(o[m][j][half * 2] * inv, o[m][j][half * 2 + 1] * inv);
+        if (warp == 0 && lane % 4 == 0) p.partial_lse[sbh] = lse2;
+      }
     }
-  }
 }
 
 // Merges the splits of one (request, head): out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - max).
+// The weights are computed once per block (thread s takes split s), then every thread streams its
+// 4 columns of all splits with independent loads (an empty split has w = 0 and a zero partial).
 template <typename T>
 __global__ void __launch_bounds__(128) mla_combine_kernel(const MlaDecodeParams p) {
+  __shared__ float w_s[kMaxSplits];
+  __shared__ float red[2][4];
   const int64_t bh = blockIdx.x;
   const int64_t stride = int64_t(p.batch) * p.heads;
-  float mx = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.partial_lse[s * stride + bh]);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const float lse = tid < p.num_splits ? p.partial_lse[tid * stride + bh] : -INFINITY;
+  float mx = lse;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) red[0][warp] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(red[0][0], red[0][1]), fmaxf(red[0][2], red[0][3]));
   const float m_use = mx == -INFINITY ? 0.f : mx;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-  const int col = threadIdx.x * 4;
+  const float w = tid < p.num_splits ? exp2f(lse - m_use) : 0.f;
+  if (tid < p.num_splits) w_s[tid] = w;
+  float wsum = w;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+  if (lane == 0) red[1][warp] = wsum;
+  __syncthreads();
+  wsum = red[1][0] + red[1][1] + red[1][2] + red[1][3];
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int col = tid * 4;
+  const float* po = p.partial_o + bh * kMlaDimCkv + col;
+#pragma unroll 8
   for (int s = 0; s < p.num_splits; ++s) {
-    const float w = exp2f(p.partial_lse[s * stride + bh] - m_use);
-    if (w == 0.f) continue;  // empty split: its partial may be anything but NaN-free zeros
-    wsum += w;
-    const float4 v = *reinterpret_cast<const float4*>(p.partial_o + (s * stride + bh) * kMlaDimCkv + col);
-    acc[0] += w * v.x;
-    acc[1] += w * v.y;
-    acc[2] += w * v.z;
-    acc[3] += w * v.w;
+    const float ws = w_s[s];
+    const float4 v = *reinterpret_cast<const float4*>(po + s * stride * kMlaDimCkv);
+    acc.x += ws * v.x, acc.y += ws * v.y, acc.z += ws * v.z, acc.w += ws * v.w;
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col;
-  *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc[0] * inv, acc[1] * inv);
-  *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc[2] * inv, acc[3] * inv);
-  if (p.lse != nullptr && threadIdx.x == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
+  *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc.z * inv, acc.w * inv);
+  if (p.lse != nullptr && tid == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
 }
 
 void check(cudaError_t e, const char* what) {
@@ -393,21 +448,20 @@ int smem_optin(int device) {
   return v;
 }
 
-// The compiled configurations, best first for each head count: {HG, WPG, TILE, STAGES}: as
-// many heads per CTA as fit (each KV byte then feeds up to 64 heads), 4 warps per 16 heads,
-// double-buffered 32-token tiles (16 heads: 95 KB, two CTAs per H100 SM or one per sm_89 SM).
-// Measured on an H200 (cuda/mla/NOTES.md): 8 warps per head group with 3 or 4 tiles in
-// flight, 64-token tiles and 16-token tiles (3 CTAs per SM) all ran slower for 16 heads.
-constexpr int kConfigs[][4] = {{4, 4, 32, 2}, {2, 4, 32, 2}, {1, 4, 32, 2}};
-constexpr int kNumConfigs = 3;
+// The compiled configurations, best first for each head count: {MT, NB}: 32 or 16 heads per
+// CTA with a ring of 4 halves (97 / 86 KB: two CTAs per H100 SM, one per sm_89 SM). More heads
+// per CTA would need more registers for O and Q than a thread has; 5 halves ran no faster and
+// 16-token steps with the two products of consecutive steps interleaved ran slower (measured on
+// an H200: cuda/mla/NOTES.md).
+constexpr int kConfigs[][2] = {{2, 4}, {1, 4}};
+constexpr int kNumConfigs = 2;
 
 // Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs).
 template <typename T, typename F>
 void with_config(int c, F&& f) {
   switch (c) {
-    case 0: f(mla_decode_kernel<T, 4, 4, 32, 2>, Smem<4, 32, 2>::bytes, 512); break;
-    case 1: f(mla_decode_kernel<T, 2, 4, 32, 2>, Smem<2, 32, 2>::bytes, 256); break;
-    default: f(mla_decode_kernel<T, 1, 4, 32, 2>, Smem<1, 32, 2>::bytes, 128); break;
+    case 0: f(mla_decode_kernel<T, 2, 4>, Smem<2, 4>::bytes, 32 * kWarps); break;
+    default: f(mla_decode_kernel<T, 1, 4>, Smem<1, 4>::bytes, 32 * kWarps); break;
   }
 }
 
@@ -419,7 +473,7 @@ int config_bytes(int c) {
 
 int choose_config(int device, int heads) {
   const int limit = smem_optin(device);
-  const int want_hg = heads > 32 ? 4 : heads > 16 ? 2 : 1;
+  const int want_mt = heads > 16 ? 2 : 1;
   // HMOE_MLA_CONFIG=<index into kConfigs> forces one where it fits (a tuning knob).
   if (const char* env = std::getenv("HMOE_MLA_CONFIG")) {
     const int c = std::atoi(env);
@@ -428,7 +482,7 @@ int choose_config(int device, int heads) {
     return c;
   }
   for (int c = 0; c < kNumConfigs; ++c)
-    if (kConfigs[c][0] <= want_hg && config_bytes(c) <= limit) return c;
+    if (kConfigs[c][0] <= want_mt && config_bytes(c) <= limit) return c;
   throw std::runtime_error("mla_decode: the device's shared memory (" + std::to_string(limit) +
                            " bytes per block) is below the smallest configuration");
 }
@@ -437,7 +491,7 @@ int choose_config(int device, int heads) {
 
 MlaConfig mla_decode_config(int device, int heads) {
   const int c = choose_config(device, heads);
-  return {16 * kConfigs[c][0], kConfigs[c][2], config_bytes(c)};
+  return {16 * kConfigs[c][0], kTile, config_bytes(c)};
 }
 
 int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
@@ -448,7 +502,7 @@ int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int p
   const int ctas = batch * ((heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta);
   const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
   const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
-  const int max_splits = std::max(1, std::min(64, max_tiles / 2));
+  const int max_splits = std::max(1, std::min(kMaxSplits, max_tiles / 2));
   // Enough splits to fill ~90% of the resident CTA slots; a grid that already fills them is
   // not split (every split costs a partial write and the combine pass).
   const int want = (9 * slots + 10 * ctas - 1) / (10 * ctas);

@@ -238,3 +238,4 @@ def test_tiny_end_to_end(tmp_path, capsys, mode):
         for backend, res in r["flashinfer"].items():  # where flashinfer ran, the bench fed it the same cache
             assert "us" not in res or any(c["what"] == f"{backend} vs ref" and c["ok"] for c in r["checks"]), r
     assert "3x200x5" in out and "all hmoe outputs check out" in out
+    assert data["meta"]["hmoe_variant"].startswith("portable") and "hmoe variant: portable (" in out  # dispatch

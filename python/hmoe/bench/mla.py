@@ -340,6 +340,7 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
             print("hmoe.bench mla: --plot needs matplotlib (pip install matplotlib); or leave --plot out", file=sys.stderr)
             return 2
     import hmoe
+    from hmoe.ops import _cuda
 
     def progress(msg):
         print(f"[hmoe.bench] {msg}", file=sys.stderr, flush=True)
@@ -350,7 +351,7 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer()
     fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != (9, 0) else {}
     try:
-        sel = hmoe.ops.mla.select(dev.index, opts.variant)
+        sel = _cuda.select("mla_decode", dev.index, opts.variant)
         selection = f"{sel.variant} ({sel.reason})"
     except Exception as e:  # noqa: BLE001 - the rows show the error too
         selection = f"none: {_error(e)}"
@@ -363,7 +364,8 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
             "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
             "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why, "flashinfer_skipped": fi_skip,
             "dtype": opts.dtype, "page_size": opts.page_size, "sm_scale": SM_SCALE, "repeats": opts.repeats,
-            "warmup": opts.warmup, "timing": f"{timing}; CUDA events; median over repeats; L2 flushed before each"}
+            "warmup": opts.warmup,
+            "timing": f"{timing}; CUDA events; median over repeats; L2 flushed (reading 4x its size) before each"}
     print(f"hmoe.bench mla  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 "
           f"{(meta['l2_bytes'] or 0) / 2**20:.0f} MiB)  torch {torch.__version__}  hmoe {meta['hmoe']}  flashinfer "
           f"{meta['flashinfer'] or 'unavailable: ' + str(fi_why)}" + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
