@@ -107,6 +107,20 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): the decode kernel lets the combine
+// kernel launch while its CTAs finish, and the combine kernel waits for the decode grid to
+// complete (its writes visible) before reading the partials.
+__device__ __forceinline__ void grid_dependents_may_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_grid_dependencies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
   int len = p.seq_lens[b];
   return min(max(len, 0), p.max_pages * p.page_size);
@@ -365,6 +379,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   }
   cp_async_wait<0>();  // the (empty) groups committed past the last tile
   __syncthreads();     // final m, l (and empty splits: the initial values)
+  grid_dependents_may_launch();
 
   // Normalise and write: the output directly, or this split's fp32 partial.
 #pragma unroll
@@ -406,6 +421,7 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(const MlaDecodeParams 
   const int64_t bh = blockIdx.x;
   const int64_t stride = int64_t(p.batch) * p.heads;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  wait_for_grid_dependencies();  // the partials of the decode kernel launched before
   const float lse = tid < p.num_splits ? p.partial_lse[tid * stride + bh] : -INFINITY;
   float mx = lse;
 #pragma unroll
@@ -541,10 +557,21 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   else with_config<__half>(c, launch);
   check(cudaGetLastError(), "kernel launch");
   if (p.num_splits > 1) {
-    const int bh = p.batch * p.heads;
-    if (p.dtype == kBF16) mla_combine_kernel<__nv_bfloat16><<<bh, 128, 0, stream>>>(p);
-    else mla_combine_kernel<__half><<<bh, 128, 0, stream>>>(p);
-    check(cudaGetLastError(), "combine launch");
+    // Launched as a programmatic dependent of the decode kernel where the device has it
+    // (sm_90+), so its launch overlaps the decode kernel's last CTAs; it waits in the kernel.
+    int major = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device attribute");
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(p.batch * p.heads);
+    cfg.blockDim = dim3(128);
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = major >= 9 ? 1 : 0;
+    if (p.dtype == kBF16) check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__nv_bfloat16>, p), "combine launch");
+    else check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__half>, p), "combine launch");
   }
   check(cudaSetDevice(prev), "cudaSetDevice");
 }
