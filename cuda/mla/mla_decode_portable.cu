@@ -7,7 +7,7 @@
 // shared-memory operand it loads feeds MT mma. Per tile:
 //   S = Q K^T   each warp a quarter of the 576 dims (its Q fragments stay in registers) x all
 //               tokens; the 4 partial sums meet in shared memory
-//   softmax     all warps, 128 / heads threads per head, online, log2 domain
+//   softmax     all warps, 128 / (16 * MT) threads per head, online, log2 domain
 //   O += P V    each warp a quarter of the 512 latent dims, fp32 in registers
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
