@@ -9,10 +9,7 @@
 namespace py = pybind11;
 
 // Must equal CPU_CORE["grouped_topk"] in python/hmoe/_native/signatures.py.
-#define HMOE_GROUPED_TOPK_CPU_SIG                                                           \
-  "grouped_topk(logits:ptr, logits_dtype:i32, bias:ptr, bias_dtype:i32, weights:ptr, "      \
-  "ids:ptr, num_tokens:i64, num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, "     \
-  "scoring:i32, renormalize:bool, routed_scaling_factor:f32) -> None"
+#define HMOE_GROUPED_TOPK_CPU_SIG "grouped_topk(" HMOE_GROUPED_TOPK_SIG_ARGS ") -> None"
 
 PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   m.doc() = "hmoe baseline CPU module: feature detection and small CPU ops";

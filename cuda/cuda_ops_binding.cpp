@@ -11,10 +11,8 @@
 namespace py = pybind11;
 
 // Must equal CUDA_OPS in python/hmoe/_native/signatures.py.
-#define HMOE_GROUPED_TOPK_CUDA_SIG                                                          \
-  "grouped_topk(logits:ptr, logits_dtype:i32, bias:ptr, bias_dtype:i32, weights:ptr, "      \
-  "ids:ptr, num_tokens:i64, num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, "     \
-  "scoring:i32, renormalize:bool, routed_scaling_factor:f32, device:i32, stream:ptr) -> None"
+#define HMOE_GROUPED_TOPK_CUDA_SIG \
+  "grouped_topk(" HMOE_GROUPED_TOPK_SIG_ARGS ", device:i32, stream:ptr) -> None"
 #define HMOE_PREWARM_CUDA_SIG "prewarm(device:i32) -> None"
 #define HMOE_MLA_DECODE_SIG                                                                    \
   "mla_decode(q_nope:ptr, q_pe:ptr, ckv:ptr, kpe:ptr, page_table:ptr, seq_lens:ptr, out:ptr, " \

@@ -17,6 +17,13 @@ enum TopkScoring : int32_t {
 // shared memory a block gets without an opt-in attribute, so nothing is set up lazily.
 constexpr int32_t kGroupedTopkMaxExperts = 4096;
 
+// The arguments every variant's binding takes first (its signature string; python/hmoe/_native/
+// signatures.py holds the same text). The CUDA binding appends device and stream.
+#define HMOE_GROUPED_TOPK_SIG_ARGS                                                        \
+  "logits:ptr, logits_dtype:i32, bias:ptr, bias_dtype:i32, weights:ptr, ids:ptr, "        \
+  "num_tokens:i64, num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, scoring:i32, " \
+  "renormalize:bool, routed_scaling_factor:f32"
+
 // Semantics (identical in every variant; all math in fp32):
 //   score[e]  = softmax(logits)[e]  or  sigmoid(logits[e])
 //   sel[e]    = score[e] (softmax)  or  score[e] + bias[e] (sigmoid; bias 0 when absent)

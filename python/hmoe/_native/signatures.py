@@ -7,19 +7,16 @@ CPU_CORE = {
     "hwcap": "hwcap() -> (u64, u64)",
 }
 
-# Must equal HMOE_GROUPED_TOPK_CPU_SIG in cpp/cpu_core_binding.cpp.
-CPU_CORE["grouped_topk"] = (
-    "grouped_topk(logits:ptr, logits_dtype:i32, bias:ptr, bias_dtype:i32, weights:ptr, "
-    "ids:ptr, num_tokens:i64, num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, "
-    "scoring:i32, renormalize:bool, routed_scaling_factor:f32) -> None")
+# Must equal HMOE_GROUPED_TOPK_SIG_ARGS in cpp/topk/grouped_topk.h: the arguments of both variants.
+_GROUPED_TOPK_ARGS = (
+    "logits:ptr, logits_dtype:i32, bias:ptr, bias_dtype:i32, weights:ptr, ids:ptr, num_tokens:i64, "
+    "num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, scoring:i32, renormalize:bool, "
+    "routed_scaling_factor:f32")
+CPU_CORE["grouped_topk"] = f"grouped_topk({_GROUPED_TOPK_ARGS}) -> None"
 
 # hmoe._native.cuda_ops (cuda/cuda_ops_binding.cpp).
 CUDA_OPS = {
-    "grouped_topk": (
-        "grouped_topk(logits:ptr, logits_dtype:i32, bias:ptr, bias_dtype:i32, weights:ptr, "
-        "ids:ptr, num_tokens:i64, num_experts:i32, top_k:i32, n_group:i32, topk_group:i32, "
-        "scoring:i32, renormalize:bool, routed_scaling_factor:f32, device:i32, stream:ptr) "
-        "-> None"),
+    "grouped_topk": f"grouped_topk({_GROUPED_TOPK_ARGS}, device:i32, stream:ptr) -> None",
     "prewarm": "prewarm(device:i32) -> None",
     "mla_decode": (
         "mla_decode(q_nope:ptr, q_pe:ptr, ckv:ptr, kpe:ptr, page_table:ptr, seq_lens:ptr, out:ptr, "
