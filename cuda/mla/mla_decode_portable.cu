@@ -75,24 +75,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
+// c += a b on the tensor cores, m16n8k16, fp32 accumulators; T (bf16 or fp16) names the inputs.
 template <typename T>
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b);
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <>
-__device__ __forceinline__ void mma16816<__half>(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+#define HMOE_MMA16816(T, PTX_TYPE)                                                                           \
+  template <>                                                                                                \
+  __device__ __forceinline__ void mma16816<T>(float* c, const uint32_t* a, const uint32_t* b) {              \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                              \
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                              \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                        \
+  }
+HMOE_MMA16816(__nv_bfloat16, "bf16")
+HMOE_MMA16816(__half, "f16")
+#undef HMOE_MMA16816
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
@@ -458,9 +454,9 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("mla_decode: ") + what + ": " + cudaGetErrorString(e));
 }
 
-int smem_optin(int device) {
+int device_attr(int device, cudaDeviceAttr attr) {
   int v = 0;
-  check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "device attribute");
+  check(cudaDeviceGetAttribute(&v, attr, device), "device attribute");
   return v;
 }
 
@@ -488,7 +484,7 @@ int config_bytes(int c) {
 }
 
 int choose_config(int device, int heads) {
-  const int limit = smem_optin(device);
+  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int want_mt = heads > 16 ? 2 : 1;
   // HMOE_MLA_CONFIG=<index into kConfigs> forces one where it fits (a tuning knob).
   if (const char* env = std::getenv("HMOE_MLA_CONFIG")) {
@@ -511,9 +507,8 @@ MlaConfig mla_decode_config(int device, int heads) {
 }
 
 int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
-  int sms = 0, smem_sm = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device attribute");
-  check(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device), "device attribute");
+  const int sms = device_attr(device, cudaDevAttrMultiProcessorCount);
+  const int smem_sm = device_attr(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor);
   const MlaConfig cfg = mla_decode_config(device, heads);
   const int ctas = batch * ((heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta);
   const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
@@ -529,7 +524,7 @@ void mla_decode_prewarm(int device) {
   int prev = 0;
   check(cudaGetDevice(&prev), "cudaGetDevice");
   check(cudaSetDevice(device), "cudaSetDevice");
-  const int limit = smem_optin(device);
+  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   auto set = [&](auto kernel, int bytes, int) {
     if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
@@ -559,8 +554,6 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   if (p.num_splits > 1) {
     // Launched as a programmatic dependent of the decode kernel where the device has it
     // (sm_90+), so its launch overlaps the decode kernel's last CTAs; it waits in the kernel.
-    int major = 0;
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device attribute");
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
@@ -569,7 +562,7 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
     cfg.blockDim = dim3(128);
     cfg.stream = stream;
     cfg.attrs = &attr;
-    cfg.numAttrs = major >= 9 ? 1 : 0;
+    cfg.numAttrs = device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9 ? 1 : 0;
     if (p.dtype == kBF16) check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__nv_bfloat16>, p), "combine launch");
     else check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__half>, p), "combine launch");
   }
