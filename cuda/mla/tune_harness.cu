@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <random>
 #include <string>
-#include <cstring>
 #include <vector>
 
 #include "mla/mla_decode.h"
@@ -78,21 +77,23 @@ int main(int argc, char** argv) {
   const int page = 64;
   const char* cfgs = argc > 1 ? argv[1] : "auto";
   void* flush; CK(cudaMalloc(&flush, 256 << 20));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
   // copy bandwidth
   {
     void *a, *b; size_t n = size_t(1) << 30; CK(cudaMalloc(&a, n)); CK(cudaMalloc(&b, n));
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     std::vector<float> ts;
     for (int i = 0; i < 12; ++i) { cudaEventRecord(e0); CK(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice)); cudaEventRecord(e1); cudaEventSynchronize(e1); float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms); }
     std::sort(ts.begin(), ts.end());
     printf("copy %.0f GB/s\n", 2.0 * n / ts[6] / 1e6);
     cudaFree(a); cudaFree(b);
   }
-  const char* only = argc > 2 ? argv[2] : nullptr;
+  const std::string only = argc > 2 ? "," + std::string(argv[2]) + "," : "";  // shapes to run, or all
   for (auto& s : shapes) {
     const int B = s[0], S = s[1], H = s[2];
     char nm[64]; snprintf(nm, sizeof nm, "%dx%dx%d", B, S, H);
-    if (only && !strstr(only, nm)) continue;
+    if (!only.empty() && only.find("," + std::string(nm) + ",") == std::string::npos) continue;
     const int per = S / page, P = B * per;
     __nv_bfloat16 *ckv, *kpe, *qn, *qp, *out; float *lse, *ref;
     int *pt, *lens;
@@ -140,7 +141,6 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(ho.data(), out, ho.size() * 2, cudaMemcpyDeviceToHost));
       double num = 0, den = 0; bool nan = false;
       for (size_t i = 0; i < ho.size(); ++i) { float v = __bfloat162float(ho[i]); if (!std::isfinite(v)) nan = true; num += (v - href[i]) * (v - href[i]); den += href[i] * href[i]; }
-      cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
       std::vector<float> ts;
       const int reps = getenv("HARNESS_REPS") ? atoi(getenv("HARNESS_REPS")) : 25;
       for (int i = 0; i < reps; ++i) {

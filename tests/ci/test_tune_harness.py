@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "cuda" / "mla" / "tune_harness.cu"
-NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 if not SRC.exists() or not (ROOT / "cpp").is_dir():
     pytest.skip(f"{ROOT} has no cuda/ and cpp/ sources (copy them next to tests/)", allow_module_level=True)
 if NVCC is None:
