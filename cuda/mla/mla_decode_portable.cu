@@ -25,7 +25,7 @@ namespace hmoe {
 namespace {
 
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
-constexpr int kRow = kDim + 8;                // smem row (+16 B: ldmatrix rows hit distinct banks)
+constexpr int kRow = kDim;                    // smem KV row: 1152 B, unpadded (see kv_off)
 constexpr int kChunksCkv = kMlaDimCkv / 8;    // 16-byte chunks per row
 constexpr int kChunksRow = kDim / 8;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -41,38 +41,58 @@ constexpr int kHalf = 16;  // KV tokens per ring buffer
 template <int MT, int NB>
 struct Smem {
   static constexpr int kHeads = 16 * MT;
-  static constexpr int kSRow = kTile + 4;  // fp32 partial scores
+  static constexpr int kSRow = kTile;      // fp32 partial scores, unpadded (see s_off)
   static constexpr int kPRow = kTile + 8;  // 16-bit probabilities (+16 B for ldmatrix)
   static constexpr int s = 0;              // the partial score tiles, one per warp
-  static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring
+  static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring, 128-byte aligned
   static constexpr int p = kv + NB * kHalf * kRow * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
-  static constexpr int rows = stats + 3 * kHeads * 4;   // NB x kHalf source slots of KV rows
-  static constexpr int bytes = rows + NB * kHalf * 8;
+  static constexpr int rows = stats + 3 * kHeads * 4;   // NB x kHalf cache rows (token_row)
+  static constexpr int bytes = rows + NB * kHalf * 4;
   static_assert(NB >= 4, "two halves per tile and at least two in flight");
-  static_assert(kv % 16 == 0 && p % 16 == 0 && rows % 8 == 0, "aligned regions");
+  static_assert(kv % 128 == 0 && p % 16 == 0 && rows % 4 == 0, "aligned regions");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy; src_bytes = 0 fills the destination with zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
+constexpr int kRowBytes = kRow * 2;           // 1152 = 9 x 128
+constexpr int kHalfBytes = kHalf * kRowBytes;  // one ring buffer
+
+// Byte offset of 16-byte chunk `chunk` of KV ring row `row`. Rows are unpadded; inside each
+// 128-byte line the chunks are XOR-swizzled by the row's low 3 bits. A warp's cp.async then
+// writes whole lines, and an ldmatrix's 8 rows at one logical chunk hit 8 distinct 16-byte bank
+// groups (a padded row did that for ldmatrix but made every cp.async that started off a 128-byte
+// boundary cost twice its shared-memory wavefronts). Adding 8 to a chunk adds 128 to its offset
+// (the XOR only touches the low 3 bits).
+__device__ __forceinline__ uint32_t kv_off(int row, int chunk) { return row * kRowBytes + ((chunk ^ (row & 7)) << 4); }
+
+// Float offset of 4-float chunk `chunk` (0..7) of partial-score row `row` (32 floats, unpadded).
+// The swizzle keeps both accesses at their ideal wavefront count: the mma layout's float2 stores
+// (8 rows x one pair of chunks) and the softmax's float4 loads (2 adjacent rows x 4 chunks).
+__device__ __forceinline__ int s_off(int row, int chunk) {
+  const int x = ((row & 1) << 2) ^ (((row >> 1) & 3) << 1);
+  return row * kTile + ((chunk ^ x) << 2);
+}
+
+// 16-byte async copy; zero = true fills the destination with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool zero) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+      "l"(src), "r"(int(zero)));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 // c += a b on the tensor cores, m16n8k16, fp32 accumulators; T (bf16 or fp16) names the inputs.
@@ -132,31 +152,49 @@ __device__ __forceinline__ int token_page(const MlaDecodeParams& p, int b, int l
   return page >= 0 && page < p.num_pages ? page : -1;
 }
 
-// Source slot (token index in the cache) of token `tok` from its page id, -1 to zero-fill.
-__device__ __forceinline__ int64_t token_slot(const MlaDecodeParams& p, int page, int tok) {
-  return page < 0 ? -1 : int64_t(page) * p.page_size + tok % p.page_size;
+// Cache row of token `tok` from its page id, -1 to zero-fill (the launcher checks that every
+// row index fits in an int32).
+__device__ __forceinline__ int token_row(const MlaDecodeParams& p, int page, int tok) {
+  return page < 0 ? -1 : page * p.page_size + tok % p.page_size;
 }
 
-// Issues the cp.async copies of one 16-row ring buffer whose row slots are in `slots`: warp w
-// copies rows w, w + 4, ...; its lanes take the row's 1024 latent bytes and 128 rope bytes
-// contiguously.
-template <typename T>
-__device__ __forceinline__ void load_kv_half(const MlaDecodeParams& p, const int64_t* slots, T* dst) {
-  const T* ckv = static_cast<const T*>(p.ckv);
-  const T* kpe = static_cast<const T*>(p.kpe);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < kHalf; r += kWarps) {
-    const int64_t slot = slots[r + warp];
-    const int bytes = slot < 0 ? 0 : 16;
-    const T* src_c = ckv + (slot < 0 ? 0 : slot * kMlaDimCkv) + lane * 8;
-    T* row = dst + (r + warp) * kRow;
-    cp_async16(row + lane * 8, src_c, bytes);
-    cp_async16(row + 256 + lane * 8, src_c + 256, bytes);
-    if (lane < kChunksRow - kChunksCkv)
-      cp_async16(row + kMlaDimCkv + lane * 8, kpe + (slot < 0 ? 0 : slot * kMlaDimPe) + lane * 8, bytes);
+// The KV copies: warp w copies rows w, w + 4, w + 8, w + 12 of a 16-row ring buffer; its lanes
+// take the row's 1024 latent bytes and 128 rope bytes contiguously. Everything but the rows'
+// cache indices is computed once: the lane's source bytes and its destinations in rows whose low
+// 3 bits are w and w + 4 (the swizzle depends on nothing else). A row's sources are then one
+// wide multiply-add each.
+struct KvLoader {
+  const char* ckv;
+  const char* kpe;
+  uint32_t dst[2];
+  bool rope;  // this lane copies a 16-byte chunk of the rope part too
+
+  __device__ __forceinline__ explicit KvLoader(const MlaDecodeParams& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    ckv = static_cast<const char*>(p.ckv) + lane * 16;
+    kpe = static_cast<const char*>(p.kpe) + lane * 16;
+    dst[0] = kv_off(warp, lane);
+    dst[1] = kv_off(warp + 4, lane);
+    rope = lane < kChunksRow - kChunksCkv;
   }
-}
+
+  // Issues the copies of the ring buffer at shared address `buf` whose rows' cache indices
+  // (token_row) are in `rows`.
+  __device__ __forceinline__ void half(uint32_t buf, const int* rows) const {
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int r = 0; r < kHalf; r += kWarps) {
+      const int row = rows[r + warp];
+      const bool zero = row < 0;
+      const uint32_t ur = zero ? 0u : uint32_t(row);
+      const char* c = ckv + uint64_t(ur) * (2 * kMlaDimCkv);
+      const uint32_t d = buf + dst[(r / 4) & 1] + (r & 8) * kRowBytes;  // row r + warp
+      cp_async16(d, c, zero);
+      cp_async16(d + 512, c + 512, zero);
+      if (rope) cp_async16(d + 2 * kMlaDimCkv, kpe + uint64_t(ur) * (2 * kMlaDimPe), zero);
+    }
+  }
+};
 
 template <typename T, int MT, int NB>
 __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecodeParams p) {
@@ -170,12 +208,12 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   constexpr int kON8 = kDimsW / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_s = reinterpret_cast<float*>(smem + L::s);
-  T* kv_s = reinterpret_cast<T*>(smem + L::kv);
+  const uint32_t kv_s = smem_addr(smem + L::kv);
   T* p_s = reinterpret_cast<T*>(smem + L::p);
   float* m_s = reinterpret_cast<float*>(smem + L::stats);
   float* l_s = m_s + kHeads;
   float* a_s = l_s + kHeads;
-  int64_t* slots = reinterpret_cast<int64_t*>(smem + L::rows);
+  int* rows = reinterpret_cast<int*>(smem + L::rows);  // token_row of each ring row
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -188,17 +226,18 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   // Halves 0 .. NB - 3 are issued first, two more at each step.
   const int tok0 = t0 * TILE, tok1 = t1 * TILE, n_halves = 2 * (t1 - t0);
   for (int rr = threadIdx.x; rr < kHalf * (NB - 2); rr += NT)
-    if (tok0 + rr < tok1) slots[rr] = token_slot(p, token_page(p, b, len, tok0 + rr), tok0 + rr);
+    if (tok0 + rr < tok1) rows[rr] = token_row(p, token_page(p, b, len, tok0 + rr), tok0 + rr);
   const int r = threadIdx.x;  // r < 32: the row of the two halves issued per step it looks up
   int next_page = r < 2 * kHalf && tok0 + kHalf * (NB - 2) + r < tok1 ? token_page(p, b, len, tok0 + kHalf * (NB - 2) + r) : -1;
   if (threadIdx.x < kHeads) {
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
   }
-  __syncthreads();  // slots
+  __syncthreads();  // rows
+  const KvLoader loader(p);
   // One commit group per half (empty groups keep the count uniform).
   for (int h = 0; h < NB - 2; ++h) {
-    if (h < n_halves) load_kv_half<T>(p, slots + h * kHalf, kv_s + h * kHalf * kRow);
+    if (h < n_halves) loader.half(kv_s + h * kHalfBytes, rows + h * kHalf);
     cp_async_commit();
   }
   // This warp's Q fragments (all heads x its 144 dims, zero rows past the last head) go straight
@@ -229,25 +268,33 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
     for (int j = 0; j < kON8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
   const float scale = p.sm_scale * kLog2e;
+  // Ring offsets of this lane's ldmatrix rows for the first 4 k16 steps of S (step ks + 4 adds
+  // 128 bytes: 8 chunks) and the first 4 pairs of n8 tiles of P V (pair + 4 adds 128).
+  uint32_t k_off[4], v_off[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    k_off[u] = kv_off((lane & 7) + (lane >> 4) * 8, warp * kKS * 2 + 2 * u + ((lane >> 3) & 1));
+    v_off[u] = kv_off(lane & 15, warp * kDimsW / 8 + 2 * u + (lane >> 4));
+  }
 
   for (int t = t0; t < t1; ++t) {
     const int i = t - t0;
     const int hn = 2 * i + NB - 2;  // the first of the two halves issued at this step
     if (r < 2 * kHalf) {
       const int tok = tok0 + kHalf * hn + r;
-      if (tok < tok1) slots[((hn + r / kHalf) % NB) * kHalf + r % kHalf] = token_slot(p, next_page, tok);
+      if (tok < tok1) rows[((hn + r / kHalf) % NB) * kHalf + r % kHalf] = token_row(p, next_page, tok);
       next_page = tok + 2 * kHalf < tok1 ? token_page(p, b, len, tok + 2 * kHalf) : -1;  // next step's
     }
     cp_async_wait<NB - 4>();  // halves 2i and 2i + 1; the NB - 4 younger ones may fly on
-    // After this barrier tile t and the slots of halves hn, hn + 1 are visible, and every warp
+    // After this barrier tile t and the rows of halves hn, hn + 1 are visible, and every warp
     // has left step i - 1, so its two buffers (the ones of hn and hn + 1) are free.
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      if (hn + k < n_halves) load_kv_half<T>(p, slots + ((hn + k) % NB) * kHalf, kv_s + ((hn + k) % NB) * kHalf * kRow);
+      if (hn + k < n_halves) loader.half(kv_s + ((hn + k) % NB) * kHalfBytes, rows + ((hn + k) % NB) * kHalf);
       cp_async_commit();
     }
-    const T* kvh[2] = {kv_s + ((2 * i) % NB) * kHalf * kRow, kv_s + ((2 * i + 1) % NB) * kHalf * kRow};
+    const uint32_t kvh[2] = {kv_s + ((2 * i) % NB) * kHalfBytes, kv_s + ((2 * i + 1) % NB) * kHalfBytes};
 
     // Partial S = Q K^T over this warp's quarter of the dims, every head, 16 tokens at a time
     // (fewer live accumulators next to O and Q).
@@ -258,11 +305,10 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) s[m][jj][0] = s[m][jj][1] = s[m][jj][2] = s[m][jj][3] = 0.f;
-      const T* kb = kvh[j / 2] + ((lane & 7) + (lane >> 4) * 8) * kRow + warp * kKS * 16 + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int ks = 0; ks < kKS; ++ks) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, kb + ks * 16);
+        ldmatrix_x4(bk, kvh[j / 2] + k_off[ks % 4] + 128 * (ks / 4));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(s[m][0], qf[m][ks], bk);
@@ -271,39 +317,42 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        float* sp = s_s + (warp * kHeads + m * 16 + lane / 4) * L::kSRow + j * 8 + (lane % 4) * 2;
+        const int row = warp * kHeads + m * 16 + lane / 4;
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
-          *reinterpret_cast<float2*>(sp + jj * 8) = make_float2(s[m][jj][0], s[m][jj][1]);
-          *reinterpret_cast<float2*>(sp + 8 * L::kSRow + jj * 8) = make_float2(s[m][jj][2], s[m][jj][3]);
+          const int chunk = 2 * (j + jj) + (lane % 4) / 2, within = (lane % 2) * 2;
+          *reinterpret_cast<float2*>(s_s + s_off(row, chunk) + within) = make_float2(s[m][jj][0], s[m][jj][1]);
+          *reinterpret_cast<float2*>(s_s + s_off(row + 8, chunk) + within) = make_float2(s[m][jj][2], s[m][jj][3]);
         }
       }
     }
     __syncthreads();
 
-    // Online softmax, kTpr threads per head, kCpt score columns each: the 4 partial sums,
-    // scaled, masked; row max and sum reduced over the head's threads. The running max only
+    // Online softmax, kTpr threads per head, kCpt score columns each (thread q of a head takes
+    // the 4-column chunks q, q + kTpr, ...): the 4 partial sums, scaled, masked; row max and sum
+    // reduced over the head's threads. The running max only
     // moves when a score exceeds it by more than 2^kLazy (p then stays <= 2^kLazy, exact in
     // fp32 and in P's dtype), so alpha is exactly 1 on most tiles and O's rescale is skipped.
     {
       constexpr int kTpr = NT / kHeads, kCpt = TILE / kTpr;
-      const int row = threadIdx.x / kTpr, c0 = (threadIdx.x % kTpr) * kCpt;
+      const int row = threadIdx.x / kTpr, q = threadIdx.x % kTpr;
       float v[kCpt];
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4) {
-        float4 acc = *reinterpret_cast<const float4*>(s_s + row * L::kSRow + c0 + c);
+        const int chunk = q + (c / 4) * kTpr;
+        float4 acc = *reinterpret_cast<const float4*>(s_s + s_off(row, chunk));
 #pragma unroll
         for (int w = 1; w < kWarps; ++w) {
-          const float4 x = *reinterpret_cast<const float4*>(s_s + (w * kHeads + row) * L::kSRow + c0 + c);
+          const float4 x = *reinterpret_cast<const float4*>(s_s + s_off(w * kHeads + row, chunk));
           acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
         }
         v[c] = acc.x, v[c + 1] = acc.y, v[c + 2] = acc.z, v[c + 3] = acc.w;
       }
-      const int valid = len - t * TILE - c0;  // columns of this thread inside the sequence
+      const int valid = len - t * TILE;  // columns of the tile inside the sequence
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kCpt; ++c) {
-        v[c] = c < valid ? v[c] * scale : -INFINITY;
+        v[c] = 4 * (q + (c / 4) * kTpr) + c % 4 < valid ? v[c] * scale : -INFINITY;
         mx = fmaxf(mx, v[c]);
       }
 #pragma unroll
@@ -319,10 +368,9 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
         sum += e0 + e1;
         pk[c / 2] = pack2<T>(e0, e1);
       }
-      if constexpr (kCpt == 8)
-        *reinterpret_cast<uint4*>(p_s + row * L::kPRow + c0) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-      else
-        *reinterpret_cast<uint2*>(p_s + row * L::kPRow + c0) = make_uint2(pk[0], pk[1]);
+#pragma unroll
+      for (int c = 0; c < kCpt; c += 4)
+        *reinterpret_cast<uint2*>(p_s + row * L::kPRow + 4 * (q + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
 #pragma unroll
       for (int off = kTpr / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       if (threadIdx.x % kTpr == 0) {
@@ -359,12 +407,11 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     for (int k0 = 0; k0 < TILE; k0 += 16) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], p_s + (m * 16 + (lane & 15)) * L::kPRow + k0 + (lane >> 4) * 8);
-      const T* vb = kvh[k0 / 16] + (lane & 15) * kRow + warp * kDimsW + (lane >> 4) * 8;
+      for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], smem_addr(p_s + (m * 16 + (lane & 15)) * L::kPRow + k0 + (lane >> 4) * 8));
 #pragma unroll
       for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(bv, vb + j * 8);
+        ldmatrix_x4_trans(bv, kvh[k0 / 16] + v_off[(j / 2) % 4] + 128 * (j / 8));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(o[m][j], a[m], bv);
@@ -540,6 +587,8 @@ void mla_decode_prewarm(int device) {
 
 void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_handle) {
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
+  if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
+    throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
   int prev = 0;
   check(cudaGetDevice(&prev), "cudaGetDevice");
   check(cudaSetDevice(device), "cudaSetDevice");
