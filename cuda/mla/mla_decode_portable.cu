@@ -2,13 +2,15 @@
 // KV, split-KV with fp32 partials and a combine kernel.
 //
 // One CTA = (KV split, 16 * MT heads, request) and 4 warps, walking the cache in 32-token tiles
-// that arrive as 16-token halves through a ring of NB buffers (cp.async; while a tile is in use
-// the next NB - 2 halves are in flight). Every warp covers all of the CTA's heads, so each
-// shared-memory operand it loads feeds MT mma. Per tile:
-//   S = Q K^T   each warp a quarter of the 576 dims (its Q fragments stay in registers) x all
-//               tokens; the 4 partial sums meet in shared memory
+// through a ring of 2 tiles (cp.async; the next tile is in flight while one is in use). Every warp
+// covers all of the CTA's heads, so each shared-memory operand it loads feeds MT mma, and owns a
+// quarter of every KV row: latent dims [128 w, 128 w + 128) and rope dims [16 w, 16 w + 16). It
+// copies those columns itself and reads no others, so a tile's arrival and the reuse of its
+// buffer concern one warp only (cp.async wait + __syncwarp): two CTA barriers per tile. Per tile:
+//   S = Q K^T   each warp its 144 dims (its Q fragments stay in registers) x all tokens; the 4
+//               partial sums meet in shared memory
 //   softmax     all warps, 128 / (16 * MT) threads per head, online, log2 domain
-//   O += P V    each warp a quarter of the 512 latent dims, fp32 in registers
+//   O += P V    each warp its 128 latent dims, fp32 in registers
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,7 +29,6 @@ namespace {
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
 constexpr int kRow = kDim;                    // smem KV row: 1152 B, unpadded (see kv_off)
 constexpr int kChunksCkv = kMlaDimCkv / 8;    // 16-byte chunks per row
-constexpr int kChunksRow = kDim / 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
@@ -35,22 +36,20 @@ constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softm
 constexpr int kWarps = 4;
 constexpr int kMaxSplits = 64;  // <= the combine kernel's 128 threads
 
-constexpr int kTile = 32;  // KV tokens per step of the softmax
-constexpr int kHalf = 16;  // KV tokens per ring buffer
+constexpr int kTile = 32;    // KV tokens per step (and per ring buffer)
+constexpr int kStages = 2;   // ring buffers
 
-template <int MT, int NB>
+template <int MT>
 struct Smem {
   static constexpr int kHeads = 16 * MT;
   static constexpr int kSRow = kTile;      // fp32 partial scores, unpadded (see s_off)
   static constexpr int kPRow = kTile + 8;  // 16-bit probabilities (+16 B for ldmatrix)
   static constexpr int s = 0;              // the partial score tiles, one per warp
   static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring, 128-byte aligned
-  static constexpr int p = kv + NB * kHalf * kRow * 2;
+  static constexpr int p = kv + kStages * kTile * kRow * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
-  static constexpr int rows = stats + 3 * kHeads * 4;   // NB x kHalf cache rows (token_row)
-  static constexpr int bytes = rows + NB * kHalf * 4;
-  static_assert(NB >= 4, "two halves per tile and at least two in flight");
-  static_assert(kv % 128 == 0 && p % 16 == 0 && rows % 4 == 0, "aligned regions");
+  static constexpr int bytes = stats + 3 * kHeads * 4;
+  static_assert(kv % 128 == 0 && p % 16 == 0, "aligned regions");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -58,7 +57,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 constexpr int kRowBytes = kRow * 2;           // 1152 = 9 x 128
-constexpr int kHalfBytes = kHalf * kRowBytes;  // one ring buffer
+constexpr int kTileBytes = kTile * kRowBytes;  // one ring buffer
 
 // Byte offset of 16-byte chunk `chunk` of KV ring row `row`. Rows are unpadded; inside each
 // 128-byte line the chunks are XOR-swizzled by the row's low 3 bits. A warp's cp.async then
@@ -158,54 +157,56 @@ __device__ __forceinline__ int token_row(const MlaDecodeParams& p, int page, int
   return page < 0 ? -1 : page * p.page_size + tok % p.page_size;
 }
 
-// The KV copies: warp w copies rows w, w + 4, w + 8, w + 12 of a 16-row ring buffer; its lanes
-// take the row's 1024 latent bytes and 128 rope bytes contiguously. Everything but the rows'
-// cache indices is computed once: the lane's source bytes and its destinations in rows whose low
-// 3 bits are w and w + 4 (the swizzle depends on nothing else). A row's sources are then one
-// wide multiply-add each.
+// The KV copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies: lanes
+// 0-15 take row 2i, lanes 16-31 row 2i + 1) and its 2 rope chunks (2 copies: lane l takes row
+// 16j + l / 2). Lane l holds the cache row (token_row) of the tile's token l; the others get it by
+// shuffle. The swizzle of a row depends only on its low 3 bits, so the destinations are 4 + 1
+// per-lane constants plus immediates.
 struct KvLoader {
   const char* ckv;
   const char* kpe;
-  uint32_t dst[2];
-  bool rope;  // this lane copies a 16-byte chunk of the rope part too
+  uint32_t dst[4];  // latent copy i: dst[i % 4] + 2i rows
+  uint32_t rope_dst;  // rope copy j: rope_dst + 16j rows
 
   __device__ __forceinline__ explicit KvLoader(const MlaDecodeParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    ckv = static_cast<const char*>(p.ckv) + lane * 16;
-    kpe = static_cast<const char*>(p.kpe) + lane * 16;
-    dst[0] = kv_off(warp, lane);
-    dst[1] = kv_off(warp + 4, lane);
-    rope = lane < kChunksRow - kChunksCkv;
+    ckv = static_cast<const char*>(p.ckv) + warp * (2 * kMlaDimCkv / kWarps) + (lane & 15) * 16;
+    kpe = static_cast<const char*>(p.kpe) + warp * (2 * kMlaDimPe / kWarps) + (lane & 1) * 16;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) dst[u] = kv_off(2 * u + (lane >> 4), warp * 16 + (lane & 15)) - 2 * u * kRowBytes;
+    rope_dst = kv_off(lane >> 1, kChunksCkv + 2 * warp + (lane & 1));
   }
 
-  // Issues the copies of the ring buffer at shared address `buf` whose rows' cache indices
-  // (token_row) are in `rows`.
-  __device__ __forceinline__ void half(uint32_t buf, const int* rows) const {
-    const int warp = threadIdx.x / 32;
+  // Issues this warp's copies of the tile at shared address `buf`.
+  __device__ __forceinline__ void tile(uint32_t buf, int my_row) const {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int r = 0; r < kHalf; r += kWarps) {
-      const int row = rows[r + warp];
+    for (int i = 0; i < kTile / 2; ++i) {
+      const int row = __shfl_sync(0xffffffffu, my_row, 2 * i + (lane >> 4));
       const bool zero = row < 0;
-      const uint32_t ur = zero ? 0u : uint32_t(row);
-      const char* c = ckv + uint64_t(ur) * (2 * kMlaDimCkv);
-      const uint32_t d = buf + dst[(r / 4) & 1] + (r & 8) * kRowBytes;  // row r + warp
-      cp_async16(d, c, zero);
-      cp_async16(d + 512, c + 512, zero);
-      if (rope) cp_async16(d + 2 * kMlaDimCkv, kpe + uint64_t(ur) * (2 * kMlaDimPe), zero);
+      cp_async16(buf + dst[i % 4] + 2 * i * kRowBytes, ckv + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimCkv), zero);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int row = __shfl_sync(0xffffffffu, my_row, 16 * j + (lane >> 1));
+      const bool zero = row < 0;
+      cp_async16(buf + rope_dst + 16 * j * kRowBytes, kpe + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimPe), zero);
     }
   }
 };
 
-template <typename T, int MT, int NB>
+template <typename T, int MT>
 __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecodeParams p) {
   constexpr int TILE = kTile;
-  using L = Smem<MT, NB>;
+  using L = Smem<MT>;
   constexpr int NT = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
-  constexpr int kN8 = TILE / 8;             // n8 tiles of tokens in S
-  constexpr int kKS = kDim / 16 / kWarps;   // k16 steps of S per warp (9)
-  constexpr int kDimsW = kMlaDimCkv / kWarps;  // latent dims of O per warp (128)
+  constexpr int kN8 = TILE / 8;                // n8 tiles of tokens in S
+  constexpr int kDimsW = kMlaDimCkv / kWarps;  // latent dims of S and O per warp (128)
+  constexpr int kPeW = kMlaDimPe / kWarps;     // rope dims of S per warp (16)
+  constexpr int kKS = (kDimsW + kPeW) / 16;    // k16 steps of S per warp (9: 8 latent, 1 rope)
   constexpr int kON8 = kDimsW / 8;
+  static_assert(kPeW == 16, "one k16 step of rope per warp");
   extern __shared__ __align__(128) unsigned char smem[];
   float* s_s = reinterpret_cast<float*>(smem + L::s);
   const uint32_t kv_s = smem_addr(smem + L::kv);
@@ -213,7 +214,6 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   float* m_s = reinterpret_cast<float*>(smem + L::stats);
   float* l_s = m_s + kHeads;
   float* a_s = l_s + kHeads;
-  int* rows = reinterpret_cast<int*>(smem + L::rows);  // token_row of each ring row
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -222,26 +222,20 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
-  // The split's tokens [tok0, tok1) come in 16-token halves, half h into ring buffer h % NB.
-  // Halves 0 .. NB - 3 are issued first, two more at each step.
-  const int tok0 = t0 * TILE, tok1 = t1 * TILE, n_halves = 2 * (t1 - t0);
-  for (int rr = threadIdx.x; rr < kHalf * (NB - 2); rr += NT)
-    if (tok0 + rr < tok1) rows[rr] = token_row(p, token_page(p, b, len, tok0 + rr), tok0 + rr);
-  const int r = threadIdx.x;  // r < 32: the row of the two halves issued per step it looks up
-  int next_page = r < 2 * kHalf && tok0 + kHalf * (NB - 2) + r < tok1 ? token_page(p, b, len, tok0 + kHalf * (NB - 2) + r) : -1;
-  if (threadIdx.x < kHeads) {
+  // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp looks up token l of the tiles:
+  // the page of tile t + 2 is read while tile t is processed, its cache row when tile t + 1 is
+  // issued, one iteration later.
+  const int tok0 = t0 * TILE;
+  const KvLoader loader(p);
+  if (t0 < t1) loader.tile(kv_s, token_row(p, token_page(p, b, len, tok0 + lane), tok0 + lane));
+  cp_async_commit();
+  int next_page = t0 + 1 < t1 ? token_page(p, b, len, tok0 + TILE + lane) : -1;
+  if (threadIdx.x < kHeads) {  // read after the first barrier
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
   }
-  __syncthreads();  // rows
-  const KvLoader loader(p);
-  // One commit group per half (empty groups keep the count uniform).
-  for (int h = 0; h < NB - 2; ++h) {
-    if (h < n_halves) loader.half(kv_s + h * kHalfBytes, rows + h * kHalf);
-    cp_async_commit();
-  }
   // This warp's Q fragments (all heads x its 144 dims, zero rows past the last head) go straight
-  // from global memory into registers, in the mma A layout, while the first halves are in flight.
+  // from global memory into registers, in the mma A layout, while the first tile is in flight.
   uint32_t qf[MT][kKS][4];
   {
     const T* qn = static_cast<const T*>(p.q_nope);
@@ -254,8 +248,8 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
         const int64_t bh = int64_t(b) * p.heads + min(h, p.heads - 1);
 #pragma unroll
         for (int ks = 0; ks < kKS; ++ks) {
-          const int d = (warp * kKS + ks) * 16 + (lane % 4) * 2;  // a 16-dim block never straddles 512
-          const T* src = d < kMlaDimCkv ? qn + bh * kMlaDimCkv + d : qp + bh * kMlaDimPe + (d - kMlaDimCkv);
+          const T* src = ks < kKS - 1 ? qn + bh * kMlaDimCkv + warp * kDimsW + ks * 16 + (lane % 4) * 2
+                                      : qp + bh * kMlaDimPe + warp * kPeW + (lane % 4) * 2;
           qf[m][ks][hi] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src) : 0u;
           qf[m][ks][hi + 2] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src + 8) : 0u;
         }
@@ -268,35 +262,32 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
     for (int j = 0; j < kON8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
   const float scale = p.sm_scale * kLog2e;
-  // Ring offsets of this lane's ldmatrix rows for the first 4 k16 steps of S (step ks + 4 adds
-  // 128 bytes: 8 chunks) and the first 4 pairs of n8 tiles of P V (pair + 4 adds 128).
+  // Ring offsets of this lane's ldmatrix rows for the first 4 latent k16 steps of S (step ks + 4
+  // adds 128 bytes: 8 chunks) and the rope step, and for the first 4 pairs of n8 tiles of P V
+  // (pair + 4 adds 128).
   uint32_t k_off[4], v_off[4];
+  const int k_row = (lane & 7) + (lane >> 4) * 8, k_half = (lane >> 3) & 1;
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
-    k_off[u] = kv_off((lane & 7) + (lane >> 4) * 8, warp * kKS * 2 + 2 * u + ((lane >> 3) & 1));
+    k_off[u] = kv_off(k_row, warp * kDimsW / 8 + 2 * u + k_half);
     v_off[u] = kv_off(lane & 15, warp * kDimsW / 8 + 2 * u + (lane >> 4));
   }
+  const uint32_t k_rope = kv_off(k_row, kChunksCkv + warp * kPeW / 8 + k_half);
 
   for (int t = t0; t < t1; ++t) {
     const int i = t - t0;
-    const int hn = 2 * i + NB - 2;  // the first of the two halves issued at this step
-    if (r < 2 * kHalf) {
-      const int tok = tok0 + kHalf * hn + r;
-      if (tok < tok1) rows[((hn + r / kHalf) % NB) * kHalf + r % kHalf] = token_row(p, next_page, tok);
-      next_page = tok + 2 * kHalf < tok1 ? token_page(p, b, len, tok + 2 * kHalf) : -1;  // next step's
+    // Tile t + 1 into the buffer of tile t - 1, which this warp (its only reader) has finished.
+    if (t + 1 < t1) {
+      const int tok = tok0 + (i + 1) * TILE + lane;
+      loader.tile(kv_s + ((i + 1) % kStages) * kTileBytes, token_row(p, next_page, tok));
+      next_page = t + 2 < t1 ? token_page(p, b, len, tok + TILE) : -1;
     }
-    cp_async_wait<NB - 4>();  // halves 2i and 2i + 1; the NB - 4 younger ones may fly on
-    // After this barrier tile t and the rows of halves hn, hn + 1 are visible, and every warp
-    // has left step i - 1, so its two buffers (the ones of hn and hn + 1) are free.
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      if (hn + k < n_halves) loader.half(kv_s + ((hn + k) % NB) * kHalfBytes, rows + ((hn + k) % NB) * kHalf);
-      cp_async_commit();
-    }
-    const uint32_t kvh[2] = {kv_s + ((2 * i) % NB) * kHalfBytes, kv_s + ((2 * i + 1) % NB) * kHalfBytes};
+    cp_async_commit();
+    cp_async_wait<1>();  // tile t; tile t + 1 may fly on
+    __syncwarp();        // the warp's copies of tile t visible to all its lanes
+    const uint32_t kvh[2] = {kv_s + (i % kStages) * kTileBytes, kv_s + (i % kStages) * kTileBytes + 16 * kRowBytes};
 
-    // Partial S = Q K^T over this warp's quarter of the dims, every head, 16 tokens at a time
+    // Partial S = Q K^T over this warp's dims, every head, 16 tokens at a time
     // (fewer live accumulators next to O and Q).
 #pragma unroll
     for (int j = 0; j < kN8; j += 2) {
@@ -308,7 +299,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
       for (int ks = 0; ks < kKS; ++ks) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, kvh[j / 2] + k_off[ks % 4] + 128 * (ks / 4));
+        ldmatrix_x4(bk, kvh[j / 2] + (ks < kKS - 1 ? k_off[ks % 4] + 128 * (ks / 4) : k_rope));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(s[m][0], qf[m][ks], bk);
@@ -507,20 +498,20 @@ int device_attr(int device, cudaDeviceAttr attr) {
   return v;
 }
 
-// The compiled configurations, best first for each head count: {MT, NB}: 32 or 16 heads per
-// CTA with a ring of 4 halves (97 / 86 KB: two CTAs per H100 SM, one per sm_89 SM). More heads
-// per CTA would need more registers for O and Q than a thread has; 5 halves ran no faster and
-// 16-token steps with the two products of consecutive steps interleaved ran slower (measured on
-// an H200: cuda/mla/NOTES.md).
-constexpr int kConfigs[][2] = {{2, 4}, {1, 4}};
+// The compiled configurations, best first for each head count: {MT}: 32 or 16 heads per CTA
+// (~93 / ~83 KB: two CTAs per H100 SM, one per sm_89 SM). More heads per CTA would need more
+// registers for O and Q than a thread has; a third ring buffer ran no faster and 16-token steps
+// with the two products of consecutive steps interleaved ran slower (measured on an H200:
+// cuda/mla/NOTES.md).
+constexpr int kConfigs[][1] = {{2}, {1}};
 constexpr int kNumConfigs = 2;
 
 // Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs).
 template <typename T, typename F>
 void with_config(int c, F&& f) {
   switch (c) {
-    case 0: f(mla_decode_kernel<T, 2, 4>, Smem<2, 4>::bytes, 32 * kWarps); break;
-    default: f(mla_decode_kernel<T, 1, 4>, Smem<1, 4>::bytes, 32 * kWarps); break;
+    case 0: f(mla_decode_kernel<T, 2>, Smem<2>::bytes, 32 * kWarps); break;
+    default: f(mla_decode_kernel<T, 1>, Smem<1>::bytes, 32 * kWarps); break;
   }
 }
 
