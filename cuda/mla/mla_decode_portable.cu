@@ -141,25 +141,39 @@ __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
   return min(max(len, 0), p.max_pages * p.page_size);
 }
 
-// Page id of token `tok`, -1 past the sequence or outside the cache (rows to zero-fill: masked
-// scores are -inf, but 0 * NaN from stale cache rows in P V would still poison the output,
-// hence zeros). Read one iteration before the token's copy is issued, so the page-table
-// latency stays off the loop's critical path.
-__device__ __forceinline__ int token_page(const MlaDecodeParams& p, int b, int len, int tok) {
-  if (tok >= len) return -1;
-  const int page = p.page_table[int64_t(b) * p.max_pages + tok / p.page_size];
-  return page >= 0 && page < p.num_pages ? page : -1;
-}
+// Lane l's walk over token l of each tile: the token's page-table entry is read two tiles ahead
+// and only turned into a cache row (and checked) when the tile is issued, one iteration later, so
+// the page-table latency stays off the loop's critical path. Rows past the sequence or outside
+// the cache are -1, zero-filled (their scores are masked to -inf, but 0 * NaN from stale cache
+// rows in P V would still poison the output). The page index and offset advance by a tile per
+// step, without division.
+struct TokenWalk {
+  const int* table;  // the request's page-table row
+  int len, page_size, num_pages;
+  int tok, pg, off;  // the token whose entry is read next, its page index and offset
+  int page, page_off;  // the last entry read (raw; -1 past the sequence) and its offset
 
-// Cache row of token `tok` from its page id, -1 to zero-fill (the launcher checks that every
-// row index fits in an int32).
-__device__ __forceinline__ int token_row(const MlaDecodeParams& p, int page, int tok) {
-  return page < 0 ? -1 : page * p.page_size + tok % p.page_size;
-}
+  __device__ __forceinline__ TokenWalk(const MlaDecodeParams& p, int b, int len_, int first)
+      : table(p.page_table + int64_t(b) * p.max_pages), len(len_), page_size(p.page_size),
+        num_pages(p.num_pages), tok(first), pg(first / p.page_size), off(first % p.page_size) {}
+
+  // Reads the entry of the current token, then moves to the same lane's token of the next tile.
+  __device__ __forceinline__ void read() {
+    page = tok < len ? table[pg] : -1;  // tok < len <= max_pages * page_size: pg is in the row
+    page_off = off;
+    tok += kTile;
+    off += kTile;
+    while (off >= page_size) off -= page_size, ++pg;
+  }
+  // The cache row of the entry read last (the launcher checks that rows fit in an int32).
+  __device__ __forceinline__ int row() const {
+    return page >= 0 && page < num_pages ? page * page_size + page_off : -1;
+  }
+};
 
 // The KV copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies: lanes
 // 0-15 take row 2i, lanes 16-31 row 2i + 1) and its 2 rope chunks (2 copies: lane l takes row
-// 16j + l / 2). Lane l holds the cache row (token_row) of the tile's token l; the others get it by
+// 16j + l / 2). Lane l holds the cache row (TokenWalk::row) of the tile's token l; the others get it by
 // shuffle. The swizzle of a row depends only on its low 3 bits, so the destinations are 4 + 1
 // per-lane constants plus immediates.
 struct KvLoader {
@@ -222,14 +236,13 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
-  // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp looks up token l of the tiles:
-  // the page of tile t + 2 is read while tile t is processed, its cache row when tile t + 1 is
-  // issued, one iteration later.
-  const int tok0 = t0 * TILE;
+  // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp walks token l of the tiles.
   const KvLoader loader(p);
-  if (t0 < t1) loader.tile(kv_s, token_row(p, token_page(p, b, len, tok0 + lane), tok0 + lane));
+  TokenWalk walk(p, b, len, t0 * TILE + lane);
+  walk.read();
+  if (t0 < t1) loader.tile(kv_s, walk.row());
   cp_async_commit();
-  int next_page = t0 + 1 < t1 ? token_page(p, b, len, tok0 + TILE + lane) : -1;
+  if (t0 + 1 < t1) walk.read();  // tile t0 + 1
   if (threadIdx.x < kHeads) {  // read after the first barrier
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
@@ -278,9 +291,8 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     const int i = t - t0;
     // Tile t + 1 into the buffer of tile t - 1, which this warp (its only reader) has finished.
     if (t + 1 < t1) {
-      const int tok = tok0 + (i + 1) * TILE + lane;
-      loader.tile(kv_s + ((i + 1) % kStages) * kTileBytes, token_row(p, next_page, tok));
-      next_page = t + 2 < t1 ? token_page(p, b, len, tok + TILE) : -1;
+      loader.tile(kv_s + ((i + 1) % kStages) * kTileBytes, walk.row());
+      if (t + 2 < t1) walk.read();  // tile t + 2, used at the next step
     }
     cp_async_commit();
     cp_async_wait<1>();  // tile t; tile t + 1 may fly on
