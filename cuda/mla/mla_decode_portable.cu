@@ -141,7 +141,8 @@ __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
   return min(max(len, 0), p.max_pages * p.page_size);
 }
 
-// Lane l's walk over token l of each tile: the token's page-table entry is read two tiles ahead
+// A walk over one token of each tile (lane l's token l, or the tile's first token when a tile lies
+// in one page): the token's page-table entry is read two tiles ahead
 // and only turned into a cache row (and checked) when the tile is issued, one iteration later, so
 // the page-table latency stays off the loop's critical path. Rows past the sequence or outside
 // the cache are -1, zero-filled (their scores are masked to -inf, but 0 * NaN from stale cache
@@ -151,7 +152,7 @@ struct TokenWalk {
   const int* table;  // the request's page-table row
   int len, page_size, num_pages;
   int tok, pg, off;  // the token whose entry is read next, its page index and offset
-  int page, page_off;  // the last entry read (raw; -1 past the sequence) and its offset
+  int page, page_off, page_tok;  // the last entry read (raw; -1 past the sequence), its offset and token
 
   __device__ __forceinline__ TokenWalk(const MlaDecodeParams& p, int b, int len_, int first)
       : table(p.page_table + int64_t(b) * p.max_pages), len(len_), page_size(p.page_size),
@@ -161,6 +162,7 @@ struct TokenWalk {
   __device__ __forceinline__ void read() {
     page = tok < len ? table[pg] : -1;  // tok < len <= max_pages * page_size: pg is in the row
     page_off = off;
+    page_tok = tok;
     tok += kTile;
     off += kTile;
     while (off >= page_size) off -= page_size, ++pg;
@@ -169,6 +171,8 @@ struct TokenWalk {
   __device__ __forceinline__ int row() const {
     return page >= 0 && page < num_pages ? page * page_size + page_off : -1;
   }
+  // Tokens of the sequence from the entry's token on, at most a tile.
+  __device__ __forceinline__ int valid() const { return min(max(len - page_tok, 0), kTile); }
 };
 
 // The KV copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies: lanes
@@ -191,7 +195,7 @@ struct KvLoader {
     rope_dst = kv_off(lane >> 1, kChunksCkv + 2 * warp + (lane & 1));
   }
 
-  // Issues this warp's copies of the tile at shared address `buf`.
+  // Issues this warp's copies of the tile at shared address `buf`; lane l holds token l's row.
   __device__ __forceinline__ void tile(uint32_t buf, int my_row) const {
     const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -207,9 +211,27 @@ struct KvLoader {
       cp_async16(buf + rope_dst + 16 * j * kRowBytes, kpe + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimPe), zero);
     }
   }
+
+  // The same for a tile that lies in one page (page size a multiple of the tile): its rows are
+  // consecutive in the cache from row0 (-1: none), so every source is one base plus an immediate.
+  // Rows from `valid` on are zero-filled.
+  __device__ __forceinline__ void tile_contig(uint32_t buf, int row0, int valid) const {
+    const int lane = threadIdx.x % 32;
+    if (row0 < 0) row0 = 0, valid = 0;
+    const char* c = ckv + (uint64_t(row0) + (lane >> 4)) * (2 * kMlaDimCkv);
+    const int vc = valid - (lane >> 4);
+#pragma unroll
+    for (int i = 0; i < kTile / 2; ++i)
+      cp_async16(buf + dst[i % 4] + 2 * i * kRowBytes, c + 2 * i * (2 * kMlaDimCkv), 2 * i >= vc);
+    const char* k = kpe + (uint64_t(row0) + (lane >> 1)) * (2 * kMlaDimPe);
+    const int vk = valid - (lane >> 1);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) cp_async16(buf + rope_dst + 16 * j * kRowBytes, k + 16 * j * (2 * kMlaDimPe), 16 * j >= vk);
+  }
 };
 
-template <typename T, int MT>
+// CONTIG: the page size is a multiple of the tile, so a tile lies in one page (tile_contig).
+template <typename T, int MT, bool CONTIG>
 __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecodeParams p) {
   constexpr int TILE = kTile;
   using L = Smem<MT>;
@@ -236,11 +258,16 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
-  // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp walks token l of the tiles.
+  // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp walks token l of the tiles (or
+  // all lanes the tiles' first tokens).
   const KvLoader loader(p);
-  TokenWalk walk(p, b, len, t0 * TILE + lane);
+  TokenWalk walk(p, b, len, t0 * TILE + (CONTIG ? 0 : lane));
+  auto issue = [&](uint32_t buf) {
+    if constexpr (CONTIG) loader.tile_contig(buf, walk.row(), walk.valid());
+    else loader.tile(buf, walk.row());
+  };
   walk.read();
-  if (t0 < t1) loader.tile(kv_s, walk.row());
+  if (t0 < t1) issue(kv_s);
   cp_async_commit();
   if (t0 + 1 < t1) walk.read();  // tile t0 + 1
   if (threadIdx.x < kHeads) {  // read after the first barrier
@@ -291,7 +318,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     const int i = t - t0;
     // Tile t + 1 into the buffer of tile t - 1, which this warp (its only reader) has finished.
     if (t + 1 < t1) {
-      loader.tile(kv_s + ((i + 1) % kStages) * kTileBytes, walk.row());
+      issue(kv_s + ((i + 1) % kStages) * kTileBytes);
       if (t + 2 < t1) walk.read();  // tile t + 2, used at the next step
     }
     cp_async_commit();
@@ -518,18 +545,21 @@ int device_attr(int device, cudaDeviceAttr attr) {
 constexpr int kConfigs[][1] = {{2}, {1}};
 constexpr int kNumConfigs = 2;
 
-// Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs).
+// Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs) and the
+// loader that `contig` (page size a multiple of kTile) allows.
 template <typename T, typename F>
-void with_config(int c, F&& f) {
-  switch (c) {
-    case 0: f(mla_decode_kernel<T, 2>, Smem<2>::bytes, 32 * kWarps); break;
-    default: f(mla_decode_kernel<T, 1>, Smem<1>::bytes, 32 * kWarps); break;
+void with_config(int c, bool contig, F&& f) {
+  switch (2 * c + int(contig)) {
+    case 0: f(mla_decode_kernel<T, 2, false>, Smem<2>::bytes, 32 * kWarps); break;
+    case 1: f(mla_decode_kernel<T, 2, true>, Smem<2>::bytes, 32 * kWarps); break;
+    case 2: f(mla_decode_kernel<T, 1, false>, Smem<1>::bytes, 32 * kWarps); break;
+    default: f(mla_decode_kernel<T, 1, true>, Smem<1>::bytes, 32 * kWarps); break;
   }
 }
 
 int config_bytes(int c) {
   int bytes = 0;
-  with_config<__nv_bfloat16>(c, [&](auto, int b, int) { bytes = b; });
+  with_config<__nv_bfloat16>(c, false, [&](auto, int b, int) { bytes = b; });
   return bytes;
 }
 
@@ -579,8 +609,10 @@ void mla_decode_prewarm(int device) {
     if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
   for (int c = 0; c < kNumConfigs; ++c) {
-    with_config<__nv_bfloat16>(c, set);
-    with_config<__half>(c, set);
+    for (const bool contig : {false, true}) {
+      with_config<__nv_bfloat16>(c, contig, set);
+      with_config<__half>(c, contig, set);
+    }
   }
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
@@ -600,8 +632,9 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   const int heads_per_cta = 16 * kConfigs[c][0];
   const dim3 grid(p.num_splits, (p.heads + heads_per_cta - 1) / heads_per_cta, p.batch);
   auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p); };
-  if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, launch);
-  else with_config<__half>(c, launch);
+  const bool contig = p.page_size % kTile == 0;
+  if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, contig, launch);
+  else with_config<__half>(c, contig, launch);
   check(cudaGetLastError(), "kernel launch");
   if (p.num_splits > 1) {
     // Launched as a programmatic dependent of the decode kernel where the device has it

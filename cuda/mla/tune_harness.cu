@@ -6,7 +6,8 @@
 //     cuda/mla/tune_harness.cu cuda/mla/mla_decode_portable.cu -o mla_tune
 //   ./mla_tune [CONFIGS [SHAPES]]   e.g. ./mla_tune auto,0,1 64x4096x16,64x4096x128
 // CONFIGS: "auto" or indices into kConfigs (set as HMOE_MLA_CONFIG). Environment:
-// HARNESS_SPLITS=n forces the split count, HARNESS_REPS=n the timed calls (25),
+// HARNESS_SPLITS=n forces the split count, HARNESS_REPS=n the timed calls (25), HARNESS_PAGE=n
+// the page size (64; S must be a multiple),
 // HARNESS_WFLUSH=1 flushes L2 by writing instead (leaves dirty lines: see cuda/mla/NOTES.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -74,7 +75,7 @@ __global__ void ref_kernel(hmoe::MlaDecodeParams p, float* out) {
 
 int main(int argc, char** argv) {
   int shapes[][3] = {{64, 4096, 16}, {64, 4096, 128}, {128, 8192, 16}, {1, 32768, 128}, {32, 2048, 128}, {256, 1024, 16}, {256, 512, 16}, {256, 2048, 16}, {256, 4096, 16}, {132, 4096, 16}, {264, 4096, 16}};
-  const int page = 64;
+  const int page = getenv("HARNESS_PAGE") ? atoi(getenv("HARNESS_PAGE")) : 64;
   const char* cfgs = argc > 1 ? argv[1] : "auto";
   void* flush; CK(cudaMalloc(&flush, 256 << 20));
   cudaEvent_t e0, e1;
