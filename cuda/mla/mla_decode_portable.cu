@@ -594,10 +594,13 @@ int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int p
   const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
   const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
   const int max_splits = std::max(1, std::min(kMaxSplits, max_tiles / 2));
-  // Enough splits to fill ~90% of the resident CTA slots; a grid that already fills them is
-  // not split (every split costs a partial write and the combine pass).
-  const int want = (9 * slots + 10 * ctas - 1) / (10 * ctas);
-  return std::clamp(want, 1, max_splits);
+  // As many splits as one wave of CTAs holds (a grid that already fills the slots is not split),
+  // then the fewest splits with the same tiles per CTA: every split costs a partial write and its
+  // share of the combine pass. (1 x 32768 x 128: 64 splits of 16 tiles ran 54.0 us where the
+  // earlier rule's 60 splits, 18 tiles in the longest, ran 57.9: cuda/mla/NOTES.md.)
+  const int fit = std::clamp(slots / ctas, 1, max_splits);
+  const int per = (max_tiles + fit - 1) / fit;
+  return (max_tiles + per - 1) / per;
 }
 
 void mla_decode_prewarm(int device) {
