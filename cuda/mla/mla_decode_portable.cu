@@ -34,7 +34,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
 
 constexpr int kWarps = 4;
-constexpr int kMaxSplits = 64;  // <= the combine kernel's 128 threads
+constexpr int kMaxSplits = 64;  // <= the two warps that weigh the splits in the combine kernel
 
 constexpr int kTile = 32;    // KV tokens per step (and per ring buffer)
 constexpr int kStages = 2;   // ring buffers
@@ -485,43 +485,60 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 }
 
 // Merges the splits of one (request, head): out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - max).
-// The weights are computed once per block (thread s takes split s), then every thread streams its
-// 4 columns of all splits with independent loads (an empty split has w = 0 and a zero partial).
+// The weights are computed once per block (thread s of the first two warps takes split s). The
+// block's rows of 128 threads (blockDim.x / 128: one per 8 splits, at most kCombineRows) take
+// every rows-th split, each thread 4 columns with independent loads (an empty split has w = 0 and
+// a zero partial), and the rows' sums meet in shared memory: with 64 splits a single row kept too
+// few loads in flight, with 2 or 4 more rows only cost time (cuda/mla/NOTES.md).
+constexpr int kCombineRows = 4;
 template <typename T>
-__global__ void __launch_bounds__(128) mla_combine_kernel(const MlaDecodeParams p) {
+__global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const MlaDecodeParams p) {
+  static_assert(kMaxSplits <= 64, "the weights come from two warps");
   __shared__ float w_s[kMaxSplits];
-  __shared__ float red[2][4];
+  __shared__ float red[2][2];
+  __shared__ float4 acc_s[kCombineRows - 1][kMlaDimCkv / 4];
   const int64_t bh = blockIdx.x;
   const int64_t stride = int64_t(p.batch) * p.heads;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int rows = blockDim.x / 128, row = tid / 128, c = tid % 128;
   wait_for_grid_dependencies();  // the partials of the decode kernel launched before
   const float lse = tid < p.num_splits ? p.partial_lse[tid * stride + bh] : -INFINITY;
-  float mx = lse;
+  if (warp < 2) {
+    float mx = lse;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) red[0][warp] = mx;
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) red[0][warp] = mx;
+  }
   __syncthreads();
-  mx = fmaxf(fmaxf(red[0][0], red[0][1]), fmaxf(red[0][2], red[0][3]));
+  const float mx = fmaxf(red[0][0], red[0][1]);
   const float m_use = mx == -INFINITY ? 0.f : mx;
-  const float w = tid < p.num_splits ? exp2f(lse - m_use) : 0.f;
-  if (tid < p.num_splits) w_s[tid] = w;
-  float wsum = w;
+  if (warp < 2) {
+    const float w = tid < p.num_splits ? exp2f(lse - m_use) : 0.f;
+    if (tid < p.num_splits) w_s[tid] = w;
+    float wsum = w;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
-  if (lane == 0) red[1][warp] = wsum;
+    for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+    if (lane == 0) red[1][warp] = wsum;
+  }
   __syncthreads();
-  wsum = red[1][0] + red[1][1] + red[1][2] + red[1][3];
+  const float wsum = red[1][0] + red[1][1];
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int col = tid * 4;
-  const float* po = p.partial_o + bh * kMlaDimCkv + col;
-#pragma unroll 8
-  for (int s = 0; s < p.num_splits; ++s) {
+  const float* po = p.partial_o + bh * kMlaDimCkv + c * 4;
+#pragma unroll 4
+  for (int s = row; s < p.num_splits; s += rows) {
     const float ws = w_s[s];
     const float4 v = *reinterpret_cast<const float4*>(po + s * stride * kMlaDimCkv);
     acc.x += ws * v.x, acc.y += ws * v.y, acc.z += ws * v.z, acc.w += ws * v.w;
   }
+  if (row > 0) acc_s[row - 1][c] = acc;
+  __syncthreads();
+  if (row > 0) return;
+  for (int r = 1; r < rows; ++r) {
+    const float4 v = acc_s[r - 1][c];
+    acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+  }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col;
+  T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + c * 4;
   *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc.x * inv, acc.y * inv);
   *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc.z * inv, acc.w * inv);
   if (p.lse != nullptr && tid == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
@@ -647,7 +664,7 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p.batch * p.heads);
-    cfg.blockDim = dim3(128);
+    cfg.blockDim = dim3(128 * std::clamp(p.num_splits / 8, 1, kCombineRows));  // rows of >= 8 splits
     cfg.stream = stream;
     cfg.attrs = &attr;
     cfg.numAttrs = device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9 ? 1 : 0;
