@@ -253,6 +253,29 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // This warp's Q fragments (all heads x its 144 dims, zero rows past the last head) go straight
+  // from global memory into registers, in the mma A layout; loaded first, so that they are in
+  // flight with the chain that starts the first tile (sequence length, page-table entry, copies).
+  uint32_t qf[MT][kKS][4];
+  {
+    const T* qn = static_cast<const T*>(p.q_nope);
+    const T* qp = static_cast<const T*>(p.q_pe);
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int h = head0 + m * 16 + lane / 4 + hi * 8;
+        const int64_t bh = int64_t(b) * p.heads + min(h, p.heads - 1);
+#pragma unroll
+        for (int ks = 0; ks < kKS; ++ks) {
+          const T* src = ks < kKS - 1 ? qn + bh * kMlaDimCkv + warp * kDimsW + ks * 16 + (lane % 4) * 2
+                                      : qp + bh * kMlaDimPe + warp * kPeW + (lane % 4) * 2;
+          qf[m][ks][hi] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src) : 0u;
+          qf[m][ks][hi + 2] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src + 8) : 0u;
+        }
+      }
+  }
+
   const int len = clamp_len(p, b);
   const int n_tiles = (len + TILE - 1) / TILE;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
@@ -274,28 +297,6 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.f;
   }
-  // This warp's Q fragments (all heads x its 144 dims, zero rows past the last head) go straight
-  // from global memory into registers, in the mma A layout, while the first tile is in flight.
-  uint32_t qf[MT][kKS][4];
-  {
-    const T* qn = static_cast<const T*>(p.q_nope);
-    const T* qp = static_cast<const T*>(p.q_pe);
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int h = head0 + m * 16 + lane / 4 + hi * 8;
-        const int64_t bh = int64_t(b) * p.heads + min(h, p.heads - 1);
-#pragma unroll
-        for (int ks = 0; ks < kKS; ++ks) {
-          const T* src = ks < kKS - 1 ? qn + bh * kMlaDimCkv + warp * kDimsW + ks * 16 + (lane % 4) * 2
-                                      : qp + bh * kMlaDimPe + warp * kPeW + (lane % 4) * 2;
-          qf[m][ks][hi] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src) : 0u;
-          qf[m][ks][hi + 2] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src + 8) : 0u;
-        }
-      }
-  }
-
   float o[MT][kON8][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
