@@ -65,6 +65,8 @@ def _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, s
         raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: the last dimension must be {D_CKV}")
     if page < 1 or P < 1:
         raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: no pages")
+    if P * page >= 2 ** 31:  # the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
+        raise ValueError(f"ckv_cache has {P * page} token rows; mla_decode supports fewer than 2^31")
     if tuple(kpe_cache.shape) != (P, page, D_PE):
         raise ValueError(f"kpe_cache has shape {tuple(kpe_cache.shape)}, expected {(P, page, D_PE)}")
     if page_table.shape[0] != B or page_table.shape[1] < 1:
