@@ -40,12 +40,10 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
            uintptr_t weights, uintptr_t ids, int64_t num_tokens, int32_t num_experts,
            int32_t top_k, int32_t n_group, int32_t topk_group, int32_t scoring,
            bool renormalize, float routed_scaling_factor) {
-          hmoe::GroupedTopkParams p{reinterpret_cast<const void*>(logits), logits_dtype,
-                                    reinterpret_cast<const void*>(bias), bias_dtype,
-                                    reinterpret_cast<float*>(weights),
-                                    reinterpret_cast<int32_t*>(ids), num_tokens, num_experts,
-                                    top_k, n_group, topk_group, scoring,
-                                    renormalize ? 1 : 0, routed_scaling_factor};
+          const hmoe::GroupedTopkParams p =
+              hmoe::grouped_topk_params(logits, logits_dtype, bias, bias_dtype, weights, ids, num_tokens,
+                                        num_experts, top_k, n_group, topk_group, scoring, renormalize,
+                                        routed_scaling_factor);
           py::gil_scoped_release nogil;
           hmoe::grouped_topk_cpu(p);  // std::invalid_argument -> ValueError
         });

@@ -52,6 +52,17 @@ struct GroupedTopkParams {
   float routed_scaling_factor;
 };
 
+// The params from a binding's arguments (pointers as integers, in HMOE_GROUPED_TOPK_SIG_ARGS order).
+inline GroupedTopkParams grouped_topk_params(uintptr_t logits, int32_t logits_dtype, uintptr_t bias,
+                                             int32_t bias_dtype, uintptr_t weights, uintptr_t ids,
+                                             int64_t num_tokens, int32_t num_experts, int32_t top_k,
+                                             int32_t n_group, int32_t topk_group, int32_t scoring,
+                                             bool renormalize, float routed_scaling_factor) {
+  return {reinterpret_cast<const void*>(logits), logits_dtype, reinterpret_cast<const void*>(bias),
+          bias_dtype, reinterpret_cast<float*>(weights), reinterpret_cast<int32_t*>(ids), num_tokens,
+          num_experts, top_k, n_group, topk_group, scoring, renormalize ? 1 : 0, routed_scaling_factor};
+}
+
 // nullptr when p is within the contract, else why not. Python validates first; this is the
 // native side's own guard so that no variant reads or writes out of bounds.
 inline const char* grouped_topk_check(const GroupedTopkParams& p) {
