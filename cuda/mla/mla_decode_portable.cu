@@ -27,7 +27,6 @@ namespace hmoe {
 namespace {
 
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
-constexpr int kRow = kDim;                    // smem KV row: 1152 B, unpadded (see kv_off)
 constexpr int kChunksCkv = kMlaDimCkv / 8;    // 16-byte chunks per row
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -46,7 +45,7 @@ struct Smem {
   static constexpr int kPRow = kTile + 8;  // 16-bit probabilities (+16 B for ldmatrix)
   static constexpr int s = 0;              // the partial score tiles, one per warp
   static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring, 128-byte aligned
-  static constexpr int p = kv + kStages * kTile * kRow * 2;
+  static constexpr int p = kv + kStages * kTile * kDim * 2;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
   static constexpr int bytes = stats + 3 * kHeads * 4;
   static_assert(kv % 128 == 0 && p % 16 == 0, "aligned regions");
@@ -56,7 +55,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-constexpr int kRowBytes = kRow * 2;           // 1152 = 9 x 128
+constexpr int kRowBytes = kDim * 2;           // a KV row in shared memory: 1152 B = 9 x 128, unpadded (kv_off)
 constexpr int kTileBytes = kTile * kRowBytes;  // one ring buffer
 
 // Byte offset of 16-byte chunk `chunk` of KV ring row `row`. Rows are unpadded; inside each
@@ -142,9 +141,9 @@ __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
 }
 
 // A walk over one token of each tile (lane l's token l, or the tile's first token when a tile lies
-// in one page): the token's page-table entry is read two tiles ahead
-// and only turned into a cache row (and checked) when the tile is issued, one iteration later, so
-// the page-table latency stays off the loop's critical path. Rows past the sequence or outside
+// in one page): the token's page-table entry is read two tiles ahead and only turned into a cache
+// row (and checked) when the tile is issued, one iteration later, so the page-table latency stays
+// off the loop's critical path. Rows past the sequence or outside
 // the cache are -1, zero-filled (their scores are masked to -inf, but 0 * NaN from stale cache
 // rows in P V would still poison the output). The page index and offset advance by a tile per
 // step, without division.
@@ -233,11 +232,10 @@ struct KvLoader {
 // CONTIG: the page size is a multiple of the tile, so a tile lies in one page (tile_contig).
 template <typename T, int MT, bool CONTIG>
 __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecodeParams p) {
-  constexpr int TILE = kTile;
   using L = Smem<MT>;
   constexpr int NT = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
-  constexpr int kN8 = TILE / 8;                // n8 tiles of tokens in S
+  constexpr int kN8 = kTile / 8;                // n8 tiles of tokens in S
   constexpr int kDimsW = kMlaDimCkv / kWarps;  // latent dims of S and O per warp (128)
   constexpr int kPeW = kMlaDimPe / kWarps;     // rope dims of S per warp (16)
   constexpr int kKS = (kDimsW + kPeW) / 16;    // k16 steps of S per warp (9: 8 latent, 1 rope)
@@ -277,14 +275,14 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   }
 
   const int len = clamp_len(p, b);
-  const int n_tiles = (len + TILE - 1) / TILE;
+  const int n_tiles = (len + kTile - 1) / kTile;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
   // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp walks token l of the tiles (or
   // all lanes the tiles' first tokens).
   const KvLoader loader(p);
-  TokenWalk walk(p, b, len, t0 * TILE + (CONTIG ? 0 : lane));
+  TokenWalk walk(p, b, len, t0 * kTile + (CONTIG ? 0 : lane));
   auto issue = [&](uint32_t buf) {
     if constexpr (CONTIG) loader.tile_contig(buf, walk.row(), walk.valid());
     else loader.tile(buf, walk.row());
@@ -365,7 +363,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     // moves when a score exceeds it by more than 2^kLazy (p then stays <= 2^kLazy, exact in
     // fp32 and in P's dtype), so alpha is exactly 1 on most tiles and O's rescale is skipped.
     {
-      constexpr int kTpr = NT / kHeads, kCpt = TILE / kTpr;
+      constexpr int kTpr = NT / kHeads, kCpt = kTile / kTpr;
       const int row = threadIdx.x / kTpr, q = threadIdx.x % kTpr;
       float v[kCpt];
 #pragma unroll
@@ -379,7 +377,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
         }
         v[c] = acc.x, v[c + 1] = acc.y, v[c + 2] = acc.z, v[c + 3] = acc.w;
       }
-      const int valid = len - t * TILE;  // columns of the tile inside the sequence
+      const int valid = len - t * kTile;  // columns of the tile inside the sequence
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kCpt; ++c) {
@@ -435,7 +433,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
       }
     }
 #pragma unroll
-    for (int k0 = 0; k0 < TILE; k0 += 16) {
+    for (int k0 = 0; k0 < kTile; k0 += 16) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], smem_addr(p_s + (m * 16 + (lane & 15)) * L::kPRow + k0 + (lane >> 4) * 8));
