@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_util.h"
 #include "common/dtype.h"
 #include "mla/mla_decode.h"
 
@@ -384,8 +385,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
         v[c] = 4 * (q + (c / 4) * kTpr) + c % 4 < valid ? v[c] * scale : -INFINITY;
         mx = fmaxf(mx, v[c]);
       }
-#pragma unroll
-      for (int off = kTpr / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      mx = warp_max<kTpr>(mx);
       const float m_old = m_s[row];
       // m_old = -inf: nothing seen yet; all masked so far (mx = -inf too): p = 0 with m = 0.
       const float m_use = mx > m_old + kLazy ? mx : m_old == -INFINITY ? 0.f : m_old;
@@ -400,8 +400,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4)
         *reinterpret_cast<uint2*>(p_s + row * L::kPRow + 4 * (q + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
-#pragma unroll
-      for (int off = kTpr / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      sum = warp_sum<kTpr>(sum);
       if (threadIdx.x % kTpr == 0) {
         const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_use);
         l_s[row] = l_s[row] * alpha + sum;
@@ -504,8 +503,7 @@ __global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const M
   const float lse = tid < p.num_splits ? p.partial_lse[tid * stride + bh] : -INFINITY;
   if (warp < 2) {
     float mx = lse;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    mx = warp_max(mx);
     if (lane == 0) red[0][warp] = mx;
   }
   __syncthreads();
@@ -515,8 +513,7 @@ __global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const M
     const float w = tid < p.num_splits ? exp2f(lse - m_use) : 0.f;
     if (tid < p.num_splits) w_s[tid] = w;
     float wsum = w;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+    wsum = warp_sum(wsum);
     if (lane == 0) red[1][warp] = wsum;
   }
   __syncthreads();
@@ -543,9 +540,7 @@ __global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const M
   if (p.lse != nullptr && tid == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("mla_decode: ") + what + ": " + cudaGetErrorString(e));
-}
+void check(cudaError_t e, const char* what) { check_cuda(e, "mla_decode", what); }
 
 int device_attr(int device, cudaDeviceAttr attr) {
   int v = 0;
@@ -579,6 +574,8 @@ int config_bytes(int c) {
   return bytes;
 }
 
+int config_heads(int c) { return 16 * kConfigs[c][0]; }
+
 int choose_config(int device, int heads) {
   const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int want_mt = heads > 16 ? 2 : 1;
@@ -599,7 +596,7 @@ int choose_config(int device, int heads) {
 
 MlaConfig mla_decode_config(int device, int heads) {
   const int c = choose_config(device, heads);
-  return {16 * kConfigs[c][0], kTile, config_bytes(c)};
+  return {config_heads(c), kTile, config_bytes(c)};
 }
 
 int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
@@ -620,9 +617,7 @@ int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int p
 }
 
 void mla_decode_prewarm(int device) {
-  int prev = 0;
-  check(cudaGetDevice(&prev), "cudaGetDevice");
-  check(cudaSetDevice(device), "cudaSetDevice");
+  const DeviceGuard guard(device, "mla_decode");
   const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   auto set = [&](auto kernel, int bytes, int) {
     if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
@@ -636,19 +631,16 @@ void mla_decode_prewarm(int device) {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__half>), "combine kernel");
-  check(cudaSetDevice(prev), "cudaSetDevice");
 }
 
 void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_handle) {
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
-  int prev = 0;
-  check(cudaGetDevice(&prev), "cudaGetDevice");
-  check(cudaSetDevice(device), "cudaSetDevice");
+  const DeviceGuard guard(device, "mla_decode");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int c = choose_config(device, p.heads);
-  const int heads_per_cta = 16 * kConfigs[c][0];
+  const int heads_per_cta = config_heads(c);
   const dim3 grid(p.num_splits, (p.heads + heads_per_cta - 1) / heads_per_cta, p.batch);
   auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p); };
   const bool contig = p.page_size % kTile == 0;
@@ -670,7 +662,6 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
     if (p.dtype == kBF16) check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__nv_bfloat16>, p), "combine launch");
     else check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__half>, p), "combine launch");
   }
-  check(cudaSetDevice(prev), "cudaSetDevice");
 }
 
 }  // namespace hmoe

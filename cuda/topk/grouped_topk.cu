@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_util.h"
 #include "topk/grouped_topk.h"
 
 namespace hmoe {
@@ -57,14 +58,6 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
       i = oi;
     }
   }
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-  return v;
 }
 // Top two of a multiset, (a >= b); merging two pairs keeps the top two of the union.
 __device__ __forceinline__ void top2_push(float v, float& a, float& b) {
@@ -252,31 +245,6 @@ __global__ void grouped_topk_kernel(GroupedTopkParams p) {
   }
 }
 
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("grouped_topk (CUDA): ") + what + " failed: " +
-                             cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-}
-
-// Makes `device` current for the duration of a call and restores the caller's device, so
-// that torch's notion of the current device is left as it was.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (prev_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
 using KernelFn = void (*)(GroupedTopkParams);
 
 KernelFn kernel_for(int32_t dtype) {
@@ -293,7 +261,7 @@ void grouped_topk_cuda(const GroupedTopkParams& p, int device, uintptr_t stream)
   if (const char* why = grouped_topk_check(p))
     throw std::invalid_argument(std::string("grouped_topk: ") + why);
   if (p.num_tokens == 0) return;  // a zero-sized grid is a launch error
-  DeviceGuard guard(device);
+  const DeviceGuard guard(device, "grouped_topk (CUDA)");
   const size_t per_warp = sizeof(float) * (2 * size_t(p.num_experts) + size_t(p.n_group));
   int warps = int(kSmemBudget / per_warp);
   warps = warps < kMaxWarpsPerBlock ? warps : kMaxWarpsPerBlock;
@@ -302,14 +270,14 @@ void grouped_topk_cuda(const GroupedTopkParams& p, int device, uintptr_t stream)
   const unsigned blocks = unsigned(want < kMaxBlocks ? want : kMaxBlocks);
   kernel_for(p.logits_dtype)<<<blocks, warps * kWarp, per_warp * warps,
                                reinterpret_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "kernel launch");
+  check_cuda(cudaGetLastError(), "grouped_topk (CUDA)", "kernel launch");
 }
 
 void grouped_topk_cuda_prewarm(int device) {
-  DeviceGuard guard(device);
+  const DeviceGuard guard(device, "grouped_topk (CUDA)");
   cudaFuncAttributes attr;
   for (int32_t dtype : {kF32, kF16, kBF16})
-    check_cuda(cudaFuncGetAttributes(&attr, kernel_for(dtype)), "loading the kernel");
+    check_cuda(cudaFuncGetAttributes(&attr, kernel_for(dtype)), "grouped_topk (CUDA)", "loading the kernel");
 }
 
 }  // namespace hmoe

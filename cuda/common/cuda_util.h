@@ -1,0 +1,51 @@
+// Host and device helpers shared by the CUDA kernels of cuda_ops.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace hmoe {
+
+// Throws std::runtime_error("<op>: <what> failed: <name>: <description>") on a CUDA error.
+inline void check_cuda(cudaError_t err, const char* op, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(op) + ": " + what + " failed: " + cudaGetErrorName(err) + ": " +
+                             cudaGetErrorString(err));
+}
+
+// Makes `device` current for the duration of a call and restores the caller's device (also when
+// the call throws), so that torch's notion of the current device is left as it was.
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const char* op) {
+    check_cuda(cudaGetDevice(&prev_), op, "cudaGetDevice");
+    if (prev_ != device) check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+#ifdef __CUDACC__
+// Butterfly reductions over the lanes `width` apart at most (width a power of two <= 32): every
+// lane of a group of `width` ends with the group's result.
+template <int width = 32>
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = width / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+template <int width = 32>
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = width / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+#endif
+
+}  // namespace hmoe
