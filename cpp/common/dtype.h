@@ -92,4 +92,17 @@ inline uint16_t f32_to_f16(float f) {
   return uint16_t(sign | (r >> 13));
 }
 
+// Conversion of n values of a float dtype (kF32, kF16, kBF16) to fp32.
+inline void load_row_f32(const void* src, int32_t dtype, int64_t n, float* dst) {
+  if (dtype == kF32) {
+    std::memcpy(dst, src, n * 4);
+  } else if (dtype == kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t j = 0; j < n; ++j) dst[j] = f16_to_f32(s[j]);
+  }
+}
+
 }  // namespace hmoe

@@ -47,19 +47,6 @@ inline void round_act_bf16(float* v, int64_t n) {
   for (int64_t j = 0; j < n; ++j) v[j] = bf16_to_f32(f32_to_bf16(v[j]));
 }
 
-// Conversion of one row of x (any float dtype) to fp32.
-inline void load_row_f32(const void* src, int32_t dtype, int64_t n, float* dst) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, n * 4);
-  } else if (dtype == kBF16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_f32(s[j]);
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t j = 0; j < n; ++j) dst[j] = f16_to_f32(s[j]);
-  }
-}
-
 inline void store_row(const float* src, int64_t n, int32_t dtype, void* dst) {
   if (dtype == kF32) {
     std::memcpy(dst, src, n * 4);

@@ -1,5 +1,6 @@
 // CPU variant of grouped_topk (DeepseekV2/V3 group-limited routing), single-threaded, fp32 math.
 #include "topk/grouped_topk.h"
+#include "topk/grouped_topk_rules.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,70 +14,55 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float load_f32(const void* base, int32_t dtype, int64_t i) {
-  switch (dtype) {
-    case kF16: return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    case kBF16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
-
-// The one ranking used everywhere: larger value first, ties to the lower index. Values are
-// never NaN here (sanitised beforehand), so this is a strict weak ordering.
+// topk::ranks_before as a sort comparator over indices. Values are never NaN here (sanitised
+// beforehand), so this is a strict weak ordering.
 struct RankDesc {
   const float* v;
-  bool operator()(int32_t a, int32_t b) const {
-    return v[a] > v[b] || (v[a] == v[b] && a < b);
-  }
+  bool operator()(int32_t a, int32_t b) const { return topk::ranks_before(v[a], a, v[b], b); }
 };
 
-inline float nan_to_neginf(float x) { return std::isnan(x) ? kNegInf : x; }
-
 struct Scratch {
+  std::vector<float> bias;  // fp32 copy of p.bias (sigmoid with bias), converted once per call
   std::vector<float> score, sel, group_score;
   std::vector<int32_t> order, group_order;
   std::vector<char> group_kept;
 };
 
-// score[] and sel[] of one token (see the semantics in grouped_topk.h).
+// score[] and sel[] of one token (see the semantics in grouped_topk.h); sel[] holds the
+// token's logits until its values are final.
 void score_token(const GroupedTopkParams& p, int64_t t, Scratch& s) {
   const int32_t E = p.num_experts;
-  const int64_t row = t * E;
+  load_row_f32(static_cast<const char*>(p.logits) + t * E * dtype_size(p.logits_dtype), p.logits_dtype, E,
+               s.sel.data());
   if (p.scoring == kScoringSoftmax) {
-    // NaN logits are left out of the max and the sum, exactly like -inf logits. sel[] holds
-    // the logits until the scores are final.
+    // NaN logits are left out of the max and the sum, exactly like -inf logits.
     float m = kNegInf;
     for (int32_t e = 0; e < E; ++e) {
-      float x = load_f32(p.logits, p.logits_dtype, row + e);
-      s.sel[e] = x;
+      const float x = s.sel[e];
       if (!std::isnan(x) && x > m) m = x;
     }
     float sum = 0.f;
     for (int32_t e = 0; e < E; ++e) {
-      float x = s.sel[e];
-      // x == -inf contributes 0 even when m == -inf (where exp(x - m) would be NaN).
-      float ex = (std::isnan(x) || x == kNegInf) ? 0.f : std::exp(x - m);
+      const float ex = topk::softmax_exp(s.sel[e], m);
       s.score[e] = ex;
       sum += ex;
     }
     for (int32_t e = 0; e < E; ++e) {
-      // sum >= 1 whenever some logit is finite; sum == 0 means no usable logit at all.
-      float sc = sum > 0.f ? s.score[e] / sum : 0.f;
+      const float sc = topk::softmax_score(s.score[e], sum);
       s.score[e] = sc;
-      s.sel[e] = std::isnan(s.sel[e]) ? kNegInf : nan_to_neginf(sc);
+      s.sel[e] = topk::softmax_sel(s.sel[e], sc);
     }
   } else {
     for (int32_t e = 0; e < E; ++e) {
-      float x = load_f32(p.logits, p.logits_dtype, row + e);
+      const float x = s.sel[e];
       if (std::isnan(x)) {
         s.score[e] = 0.f;
         s.sel[e] = kNegInf;
         continue;
       }
-      float sc = 1.f / (1.f + std::exp(-x));
-      float b = p.bias ? load_f32(p.bias, p.bias_dtype, e) : 0.f;
+      const float sc = topk::sigmoid_score(x);
       s.score[e] = sc;
-      s.sel[e] = nan_to_neginf(sc + b);
+      s.sel[e] = topk::sigmoid_sel(sc, s.bias.empty() ? 0.f : s.bias[e]);
     }
   }
 }
@@ -84,25 +70,12 @@ void score_token(const GroupedTopkParams& p, int64_t t, Scratch& s) {
 // Marks the topk_group best groups of one token in s.group_kept.
 void select_groups(const GroupedTopkParams& p, Scratch& s) {
   const int32_t G = p.n_group, S = p.num_experts / p.n_group;
+  const bool softmax = p.scoring == kScoringSoftmax;
   for (int32_t g = 0; g < G; ++g) {
     const float* v = s.sel.data() + int64_t(g) * S;
-    float gs;
-    if (p.scoring == kScoringSoftmax) {
-      gs = kNegInf;
-      for (int32_t i = 0; i < S; ++i) gs = std::max(gs, v[i]);
-    } else {
-      float a = kNegInf, b = kNegInf;  // the two largest, a >= b
-      for (int32_t i = 0; i < S; ++i) {
-        if (v[i] > a) {
-          b = a;
-          a = v[i];
-        } else if (v[i] > b) {
-          b = v[i];
-        }
-      }
-      gs = nan_to_neginf(a + b);  // inf + -inf
-    }
-    s.group_score[g] = gs;
+    float a = kNegInf, b = kNegInf;
+    for (int32_t i = 0; i < S; ++i) topk::group_push(v[i], a, b, softmax);
+    s.group_score[g] = topk::group_score(a, b, softmax);
     s.group_order[g] = g;
     s.group_kept[g] = 0;
   }
@@ -131,12 +104,8 @@ void route_token(const GroupedTopkParams& p, int64_t t, Scratch& s) {
     w[k] = s.score[s.order[k]];
     sum += w[k];
   }
-  // Two roundings (divide, then scale), as transformers does them.
   const float denom = sum + 1e-20f;
-  for (int32_t k = 0; k < K; ++k) {
-    float x = p.renormalize ? w[k] / denom : w[k];
-    w[k] = x * p.routed_scaling_factor;
-  }
+  for (int32_t k = 0; k < K; ++k) w[k] = topk::final_weight(w[k], denom, p.renormalize, p.routed_scaling_factor);
 }
 
 }  // namespace
@@ -146,6 +115,10 @@ void grouped_topk_cpu(const GroupedTopkParams& p) {
     throw std::invalid_argument(std::string("grouped_topk: ") + why);
   if (p.num_tokens == 0) return;
   Scratch s;
+  if (p.bias != nullptr) {
+    s.bias.resize(p.num_experts);
+    load_row_f32(p.bias, p.bias_dtype, p.num_experts, s.bias.data());
+  }
   s.score.resize(p.num_experts);
   s.sel.resize(p.num_experts);
   s.order.resize(p.num_experts);

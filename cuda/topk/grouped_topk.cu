@@ -9,6 +9,7 @@
 
 #include "common/cuda_util.h"
 #include "topk/grouped_topk.h"
+#include "topk/grouped_topk_rules.h"
 
 namespace hmoe {
 namespace {
@@ -40,12 +41,7 @@ __device__ __forceinline__ float load_any(const void* base, int32_t dtype, int64
   return static_cast<const float*>(base)[i];
 }
 
-__device__ __forceinline__ float nan_to_neginf(float x) { return isnan(x) ? -INFINITY : x; }
-
-// The ranking shared with the CPU variant: larger value first, ties to the lower index.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
-}
+using topk::ranks_before;
 
 // Butterfly reductions: every lane ends with the result. The ranking is a total order, so
 // the winner does not depend on the reduction order.
@@ -53,21 +49,13 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   for (int off = kWarp / 2; off > 0; off >>= 1) {
     float ov = __shfl_xor_sync(kFullMask, v, off);
     int oi = __shfl_xor_sync(kFullMask, i, off);
-    if (better(ov, oi, v, i)) {
+    if (ranks_before(ov, oi, v, i)) {
       v = ov;
       i = oi;
     }
   }
 }
-// Top two of a multiset, (a >= b); merging two pairs keeps the top two of the union.
-__device__ __forceinline__ void top2_push(float v, float& a, float& b) {
-  if (v > a) {
-    b = a;
-    a = v;
-  } else if (v > b) {
-    b = v;
-  }
-}
+// Top two over the warp of the lanes' top-two pairs (a >= b; topk::group_push builds them).
 __device__ __forceinline__ void warp_top2(float& a, float& b) {
   for (int off = kWarp / 2; off > 0; off >>= 1) {
     float oa = __shfl_xor_sync(kFullMask, a, off);
@@ -96,16 +84,15 @@ __device__ void score_token(const GroupedTopkParams& p, int64_t t, int lane, flo
     m = warp_max(m);
     float sum = 0.f;
     for (int e = lane; e < E; e += kWarp) {
-      float x = sel[e];
-      float ex = (isnan(x) || x == -INFINITY) ? 0.f : expf(x - m);
+      const float ex = topk::softmax_exp(sel[e], m);
       score[e] = ex;
       sum += ex;
     }
     sum = warp_sum(sum);
     for (int e = lane; e < E; e += kWarp) {
-      float sc = sum > 0.f ? score[e] / sum : 0.f;  // sum == 0 (or NaN): no usable logit
+      const float sc = topk::softmax_score(score[e], sum);
       score[e] = sc;
-      sel[e] = isnan(sel[e]) ? -INFINITY : nan_to_neginf(sc);
+      sel[e] = topk::softmax_sel(sel[e], sc);
     }
   } else {
     for (int e = lane; e < E; e += kWarp) {
@@ -115,10 +102,9 @@ __device__ void score_token(const GroupedTopkParams& p, int64_t t, int lane, flo
         sel[e] = -INFINITY;
         continue;
       }
-      float sc = 1.f / (1.f + expf(-x));
-      float b = p.bias ? load_any(p.bias, p.bias_dtype, e) : 0.f;
+      const float sc = topk::sigmoid_score(x);
       score[e] = sc;
-      sel[e] = nan_to_neginf(sc + b);
+      sel[e] = topk::sigmoid_sel(sc, p.bias ? load_any(p.bias, p.bias_dtype, e) : 0.f);
     }
   }
 }
@@ -136,28 +122,18 @@ __device__ void select_groups(const GroupedTopkParams& p, int lane, const float*
     for (int g = 0; g < G; ++g) {
       const float* v = sel + g * S;
       float a = -INFINITY, b = -INFINITY;
-      for (int i = lane; i < S; i += kWarp) {
-        if (softmax) a = fmaxf(a, v[i]);
-        else top2_push(v[i], a, b);
-      }
-      float gs;
-      if (softmax) {
-        gs = warp_max(a);
-      } else {
-        warp_top2(a, b);
-        gs = nan_to_neginf(a + b);  // inf + -inf
-      }
+      for (int i = lane; i < S; i += kWarp) topk::group_push(v[i], a, b, softmax);
+      if (softmax) a = warp_max(a);
+      else warp_top2(a, b);
+      const float gs = topk::group_score(a, b, softmax);
       if (lane == 0) group[g] = gs;
     }
   } else {
     for (int g = lane; g < G; g += kWarp) {
       const float* v = sel + g * S;
       float a = -INFINITY, b = -INFINITY;
-      for (int i = 0; i < S; ++i) {
-        if (softmax) a = fmaxf(a, v[i]);
-        else top2_push(v[i], a, b);
-      }
-      group[g] = softmax ? a : nan_to_neginf(a + b);
+      for (int i = 0; i < S; ++i) topk::group_push(v[i], a, b, softmax);
+      group[g] = topk::group_score(a, b, softmax);
     }
   }
   __syncwarp();
@@ -166,7 +142,7 @@ __device__ void select_groups(const GroupedTopkParams& p, int lane, const float*
     int bi = INT_MAX;
     for (int g = lane; g < G; g += kWarp) {
       float v = group[g];
-      if (!isnan(v) && better(v, g, bv, bi)) {
+      if (!isnan(v) && ranks_before(v, g, bv, bi)) {
         bv = v;
         bi = g;
       }
@@ -186,7 +162,7 @@ __device__ __forceinline__ void lane_best(const float* sel, int E, int lane, flo
   bi = INT_MAX;
   for (int e = lane; e < E; e += kWarp) {
     float v = sel[e];
-    if (!isnan(v) && better(v, e, bv, bi)) {
+    if (!isnan(v) && ranks_before(v, e, bv, bi)) {
       bv = v;
       bi = e;
     }
@@ -237,10 +213,7 @@ __global__ void grouped_topk_kernel(GroupedTopkParams p) {
       }
     }
     const float denom = sum + 1e-20f;
-    for (int k = lane; k < K; k += kWarp) {
-      float x = p.renormalize ? w[k] / denom : w[k];  // two roundings, as transformers
-      w[k] = x * p.routed_scaling_factor;
-    }
+    for (int k = lane; k < K; k += kWarp) w[k] = topk::final_weight(w[k], denom, p.renormalize, p.routed_scaling_factor);
     __syncwarp();  // every lane is done with this token's scratch before it is overwritten
   }
 }
