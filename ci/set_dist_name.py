@@ -46,7 +46,8 @@ def choose_name(requested: str | None, major: str | None) -> str:
     return requested
 
 
-def _hash(data: bytes) -> str:
+def record_hash(data: bytes) -> str:
+    """A file's hash as a wheel's RECORD writes it."""
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
@@ -80,7 +81,7 @@ def rename(wheel: Path, outdir: Path, requested: str | None) -> Path:
             new_info = zipfile.ZipInfo(name, info.date_time)
             new_info.external_attr, new_info.compress_type = info.external_attr, zipfile.ZIP_DEFLATED
             files.append((new_info, data))
-    record = "".join(f"{i.filename},{_hash(d)},{len(d)}\n" for i, d in files) + f"{record_name},,\n"
+    record = "".join(f"{i.filename},{record_hash(d)},{len(d)}\n" for i, d in files) + f"{record_name},,\n"
     rec_info = zipfile.ZipInfo(record_name, files[0][0].date_time if files else (1980, 1, 1, 0, 0, 0))
     rec_info.external_attr, rec_info.compress_type = 0o644 << 16, zipfile.ZIP_DEFLATED
     with zipfile.ZipFile(out, "w") as zout:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import email.parser
-import hashlib
 import json
 import re
 import struct
@@ -14,6 +12,9 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ci/, for set_dist_name
+from set_dist_name import cuda_major, record_hash  # noqa: E402
 
 MIB = 1 << 20
 ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
@@ -238,8 +239,7 @@ def check_package(rep: Report, zf: zipfile.ZipFile) -> tuple[str, str] | None:
     for line in zf.read(f"{di}/RECORD").decode().splitlines():
         path, digest = (line.rsplit(",", 2) + ["", ""])[:2]
         if digest.startswith("sha256="):
-            got = base64.urlsafe_b64encode(hashlib.sha256(zf.read(path)).digest()).rstrip(b"=")
-            bad += [path] if got.decode() != digest[7:] else []
+            bad += [path] if record_hash(zf.read(path)) != digest else []
     rep.add(not bad, "RECORD hashes", di, "all match" if not bad else f"mismatch: {bad[:3]}")
     meta = email.parser.Parser().parsestr(zf.read(f"{di}/METADATA").decode())
     for req in meta.get_all("Requires-Dist") or []:
@@ -368,7 +368,7 @@ def verify(wheel: Path, max_mib: float = 100, cpu_only: bool = False, arch_overr
         rep.add(not native, "flags", "build_info.json", f"found {native}" if native else "no -march=native")
         m = re.fullmatch(r"hmoe-cu(\d+)", dist)
         if m:
-            rep.add(m.group(1) == (man.get("cuda_version") or "").split(".")[0], "dist name", dist,
+            rep.add(m.group(1) == cuda_major(zf), "dist name", dist,
                     f"built with CUDA {man.get('cuda_version')}")
         modules: dict[str, Path] = {}  # "hmoe._native.x" (or the path, outside hmoe/) -> file
         for n in zf.namelist():
