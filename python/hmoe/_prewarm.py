@@ -2,8 +2,6 @@
 e.g. before CUDA-graph capture."""
 from __future__ import annotations
 
-import os
-
 
 def prewarm(device=None) -> None:
     """Loads the CPU experts module this machine selects and, for a CUDA device (default: the
@@ -33,8 +31,8 @@ def prewarm(device=None) -> None:
 
     index = _cuda.device_index(torch, device)
     _cuda.prewarm(index)
-    variant = os.environ.get("HMOE_CUDA_VARIANT") or ""
-    if variant.startswith("flashinfer-"):  # its JIT build and self-check, outside any graph capture
+    sel = _cuda.select("mla_decode", index)
+    if not sel.module:  # a flashinfer variant: its JIT build and self-check, outside any graph capture
         from .ops import mla_flashinfer
 
-        mla_flashinfer.prewarm(index, backends=(variant.removeprefix("flashinfer-"),))
+        mla_flashinfer.prewarm(index, backends=(sel.variant.removeprefix("flashinfer-"),))

@@ -77,12 +77,12 @@ def grouped_topk_selftest(device: str):
 
 
 def mla_decode_selftest(device: str):
-    """mla_decode (bf16, shuffled pages, a 0-length request) against an fp32 reference."""
+    """mla_decode (bf16, shuffled pages, a 0-length request) against the fp64 reference."""
     if not device.startswith("cuda"):
         return None
     import torch
 
-    from ..ops import _cuda, mla_decode
+    from ..ops import _cuda, mla_decode, mla_flashinfer
 
     g = torch.Generator().manual_seed(2)
     B, H, page, lens = 2, 16, 64, [100, 0]
@@ -91,14 +91,12 @@ def mla_decode_selftest(device: str):
     pt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
     qn = torch.randn(B, H, 512, generator=g).to(torch.bfloat16)
     qp = torch.randn(B, H, 64, generator=g).to(torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
     got = mla_decode(qn.to(device), qp.to(device), ckv.to(device), kpe.to(device), pt.to(device),
-                     torch.tensor(lens, dtype=torch.int32).to(device), sm_scale=0.07).float().cpu()
-    kv = ckv[pt[0].long()].reshape(-1, 512)[:100].float()
-    k = torch.cat([kv, kpe[pt[0].long()].reshape(-1, 64)[:100].float()], -1)
-    p = torch.softmax(torch.cat([qn[0], qp[0]], -1).float() @ k.T * 0.07, -1)
-    want = torch.stack([p @ kv, torch.zeros(H, 512)])
+                     seq_lens.to(device), sm_scale=0.07).float().cpu()
+    want = mla_flashinfer.reference(qn, qp, ckv, kpe, pt, seq_lens, 0.07)[0]
     ok, detail = _close(got, want, 2e-2, 2e-2)
-    sel = _cuda.select("mla_decode", torch.device(device).index or 0)
+    sel = _cuda.select("mla_decode", _cuda.device_index(torch, torch.device(device)))
     return ok, f"{sel.variant} {sel.target}: {detail}"
 
 

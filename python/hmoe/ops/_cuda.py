@@ -19,6 +19,12 @@ def device_index(torch, device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def capturing(torch, index: int) -> bool:
+    """Whether the current stream of cuda:<index> is capturing a CUDA graph."""
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def select(op: str, index: int, variant: str | None = None) -> dispatch.Selection:
     """The variant `op` runs on cuda:<index> (forced by `variant` or HMOE_CUDA_VARIANT); the
     same decision hmoe.compat reports. Raises when the device cannot run any."""
@@ -46,14 +52,12 @@ def prewarm(index: int) -> None:
         _warm_devices.add(index)
 
 
-def module(torch, index: int, op: str, variant: str | None = None):
-    """The module of op's selected variant, prewarmed on cuda:<index>; a first use inside
-    graph capture is an error."""
-    sel = select(op, index, variant)
+def module(torch, index: int, op: str, variant: str | None = None, sel: dispatch.Selection | None = None):
+    """The module of op's selected variant (`sel` when the caller has it), prewarmed on
+    cuda:<index>; a first use inside graph capture is an error."""
+    sel = sel or select(op, index, variant)
     if index not in _warm_devices:
-        with torch.cuda.device(index):
-            capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
+        if capturing(torch, index):
             raise RuntimeError(f"{op}: first use on cuda:{index} inside CUDA-graph capture; its "
                                "lazy setup (module load, shared-memory limits) would break the "
                                "capture. Call hmoe.prewarm() or run the op once eagerly first")

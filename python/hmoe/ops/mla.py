@@ -144,7 +144,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     if sel.variant.startswith("flashinfer"):
         return mla_flashinfer.run(sel.variant, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens,
                                   sm_scale=sm_scale, return_lse=return_lse, out=out)
-    mod = _cuda.module(torch, index, "mla_decode", variant)
+    mod = _cuda.module(torch, index, "mla_decode", sel=sel)
     splits = plan(mod, index, B, H, max_pages, page_size)[0]
     part_o = part_lse = None
     if splits > 1:

@@ -3,7 +3,6 @@ only after pre-validation; not capturable: plan() needs seq_lens on the host, so
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
 import logging
 import math
@@ -11,11 +10,11 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 import threading
 
 from .. import dispatch, validation as V
+from . import _cuda
 
 log = logging.getLogger("hmoe.ops.mla_flashinfer")
 
@@ -65,6 +64,8 @@ def installed(module: str = "flashinfer", *dists) -> tuple[bool, str | None]:
             return False, None
     except (ImportError, ValueError):
         return False, None
+    import importlib.metadata  # here, not at import: it costs `import hmoe.ops` ~10 ms
+
     for dist in dists or ("flashinfer-python", "flashinfer"):
         try:
             return True, importlib.metadata.version(dist)
@@ -75,15 +76,13 @@ def installed(module: str = "flashinfer", *dists) -> tuple[bool, str | None]:
 
 class _Hardware:
     """Device and toolkit queries in one place, so that the CPU tests can stand in for a GPU."""
-    index = staticmethod(lambda torch, dev: dev.index if dev.index is not None else torch.cuda.current_device())
+    index = staticmethod(lambda torch, dev: _cuda.device_index(torch, dev))
     device = staticmethod(lambda torch, index: torch.device("cuda", index))
     cc = staticmethod(lambda torch, index: tuple(torch.cuda.get_device_capability(index)))
     sync = staticmethod(lambda torch, dev: torch.cuda.current_stream(dev).synchronize())
     driver_cuda = staticmethod(lambda: importlib.import_module("hmoe.hardware.gpu").detect().driver_cuda)
 
-    def capturing(self, torch, index: int) -> bool:
-        with torch.cuda.device(index):
-            return torch.cuda.is_current_stream_capturing()
+    capturing = staticmethod(lambda torch, index: _cuda.capturing(torch, index))
 
     def torch_cuda(self):
         """torch's CUDA (major, minor), None for a CPU-only torch; from torch/version.py if not imported."""
@@ -103,6 +102,8 @@ _hw = _Hardware()
 @functools.lru_cache(maxsize=16)
 def nvcc_version(path: str) -> tuple:
     """((major, minor), "") or (None, why), from `nvcc --version`; cached per path."""
+    import subprocess  # here, not at import (only the flashinfer checks run nvcc)
+
     exe = path if os.sep in path else shutil.which(path)
     if not exe or not os.path.isfile(exe):
         return None, f"there is no nvcc at {path}"

@@ -136,7 +136,7 @@ def grouped_topk(router_logits, top_k, *, n_group=1, topk_group=1, scoring="soft
     if dev.type == "cpu":
         load("cpu_core", CPU_CORE).grouped_topk(*args)
     else:
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        index = _cuda.device_index(torch, dev)
         mod = _cuda.module(torch, index, "grouped_topk")
         stream = torch.cuda.current_stream(index).cuda_stream
         mod.grouped_topk(*args, index, stream)
