@@ -27,6 +27,11 @@ def build_info() -> dict:
     return info
 
 
+def module_name(entry: dict) -> str:
+    """The native module of a manifest entry, without its package ("hmoe._native.x" -> "x")."""
+    return entry["module"].rsplit(".", 1)[1]
+
+
 def cpu_modules_for(op: str) -> dict[str, dict]:
     """ISA level -> manifest entry, for the CPU modules built for `op`."""
     return {e["isa"]: e for e in _manifest()["cpu_modules"].values() if e["op"] == op}

@@ -6,6 +6,7 @@ import logging
 import os
 
 from . import _arch, _build_info
+from ._build_info import module_name
 from ._native import NativeModuleError, load
 from .hardware import cpu as _cpu
 
@@ -50,7 +51,7 @@ def select_cpu(op: str, signatures: dict, isa: str | None = None, info=None,
             raise ValueError(f"{source}{forced!r}: this CPU/OS cannot run it (missing "
                              f"{', '.join(missing)}); levels it can run: "
                              f"{', '.join(lv['name'] for lv in candidates if not _cpu.missing_requirements(lv, info)) or 'none'}")
-        module = built[forced]["module"].rsplit(".", 1)[1]
+        module = module_name(built[forced])
         if load_module:
             load(module, signatures)  # NativeModuleError propagates: the user asked for this one
         return Selection(op, forced, module, f"forced by {source}{forced}")
@@ -66,7 +67,7 @@ def select_cpu(op: str, signatures: dict, isa: str | None = None, info=None,
         if missing:
             skipped.append(f"{name}: missing {', '.join(missing)}")
             continue
-        module = built[name]["module"].rsplit(".", 1)[1]
+        module = module_name(built[name])
         if load_module:
             try:
                 load(module, signatures)
@@ -272,7 +273,7 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
         ok, target, why = _plan_family(kernels[forced], cc, driver_cuda, build_cuda)
         if not ok:
             raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
-        module = kernels[forced]["module"].rsplit(".", 1)[1]
+        module = module_name(kernels[forced])
         if load_module:
             load(module, _table_for(signatures, forced))  # the user asked for this one
         return Selection(op, forced, module, f"forced by {source}{forced}: {why}",
@@ -289,7 +290,7 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
             only_a = not e.get("ptx") and all(t.endswith("a") for t in e.get("sass", []))
             (elsewhere if only_a else cannot).append(f"{family}: {why}")
             continue
-        module = kernels[family]["module"].rsplit(".", 1)[1]
+        module = module_name(kernels[family])
         if load_module:
             try:
                 load(module, _table_for(signatures, family))

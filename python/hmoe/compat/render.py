@@ -2,6 +2,8 @@
 colour only when asked (stdout is a terminal and NO_COLOR is unset)."""
 from __future__ import annotations
 
+from .._build_info import module_name
+
 _COLOURS = {"ok": "32", "error": "31", "warning": "33", "head": "1"}
 
 
@@ -28,7 +30,7 @@ def _hmoe(h, out):
     for name, e in sorted(m.get("cuda_kernels", {}).items()):
         sass = " ".join(f"sm_{t}" for t in e.get("sass", [])) or "-"
         ptx = " ".join(f"compute_{t}" for t in e.get("ptx", [])) or "-"
-        out.append(f"kernel        {name}: SASS {sass}; PTX {ptx} ({e['module'].rsplit('.', 1)[1]})")
+        out.append(f"kernel        {name}: SASS {sass}; PTX {ptx} ({module_name(e)})")
     by_op = {}
     for e in m.get("cpu_modules", {}).values():
         by_op.setdefault(e["op"], []).append(e["isa"])

@@ -6,6 +6,7 @@ import importlib.machinery
 import platform
 
 from .. import dispatch
+from .._build_info import module_name
 from .._native import NativeModuleError, load
 from ..hardware import cpu as _cpu
 from ..hardware import gpu as _gpu
@@ -161,7 +162,7 @@ def _variants(manifest, real_cpu, cpu_err, problems) -> list:
         out.append(row)
     by_module = {}
     for e in manifest.get("cuda_kernels", {}).values():
-        mod = e["module"].rsplit(".", 1)[1]
+        mod = module_name(e)
         by_module.setdefault(mod, []).append({"op": e["op"], "family": e["family"],
                                               "sass": list(e.get("sass", [])),
                                               "ptx": list(e.get("ptx", []))})
@@ -233,7 +234,7 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
                          "works; update the driver")
             continue
         for op in ops:
-            sigs = {e["family"]: expected_signatures(e["module"].rsplit(".", 1)[1], op)
+            sigs = {e["family"]: expected_signatures(module_name(e), op)
                     for e in kernels.values() if e["op"] == op}
             try:
                 sel = dispatch.select_gpu(op, sigs, cc=cc, driver_cuda=driver_cuda, device_label=label)
