@@ -18,7 +18,7 @@ import os
 import threading
 
 from .. import _dtypes, validation as V
-from . import _cuda, mla_flashinfer  # importing mla_flashinfer registers "flashinfer-fa2"/"-fa3"
+from . import _cuda, _pages, mla_flashinfer  # importing mla_flashinfer registers "flashinfer-fa2"/"-fa3"
 
 D_CKV, D_PE = 512, 64
 MAX_HEADS = 128
@@ -92,14 +92,10 @@ def validate_indices(page_table, seq_lens, page_size: int, num_pages: int) -> No
         b = int(bad[0, 0])
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is outside [0, {cap}] "
                          f"(max_pages {max_pages} x page size {page_size})")
-    used = (lens.to(torch.int64) + page_size - 1) // page_size
-    cols = torch.arange(max_pages)
-    mask = (cols[None, :] < used[:, None]).to(page_table.device)
-    pt = page_table.masked_fill(~mask, 0)
-    lo, hi = int(pt.min()), int(pt.max())
-    if lo < 0 or hi >= num_pages:
-        where = ((pt < 0) | (pt >= num_pages)).nonzero()[0].tolist()
-        raise ValueError(f"page_table[{where[0]}, {where[1]}] = {int(pt[where[0], where[1]])} is "
+    pt = page_table.cpu()
+    where = _pages.bad_entry(pt, _pages.used_pages(torch, pt, lens.to(torch.int64), page_size)[1], num_pages)
+    if where is not None:
+        raise ValueError(f"page_table[{where[0]}, {where[1]}] = {int(pt[where])} is "
                          f"outside [0, {num_pages}) (a page the request uses)")
 
 

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from .. import dispatch, validation as V
-from . import _cuda
+from . import _cuda, _pages
 
 log = logging.getLogger("hmoe.ops.mla_flashinfer")
 
@@ -226,11 +226,10 @@ def _forward(torch, engine, q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_sca
     _hw.sync(torch, seq_lens.device)
     page, P = ckv.shape[1], ckv.shape[0]
     lens = lens.clamp(0, pt.shape[1] * page)
-    used = (lens + page - 1) // page
-    mask = torch.arange(pt.shape[1])[None, :] < used[:, None]
+    used, mask = _pages.used_pages(torch, pt, lens, page)
     ids = pt[mask]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= P):
-        b, j = (mask & ((pt < 0) | (pt >= P))).nonzero()[0].tolist()
+    if (bad := _pages.bad_entry(pt, mask, P)) is not None:
+        b, j = bad
         raise ValueError(f"page_table[{b}, {j}] = {int(pt[b, j])} is outside [0, {P}): the flashinfer "
                          "backend refuses it (it would read outside the cache)")
     live = (lens > 0).nonzero().flatten()
