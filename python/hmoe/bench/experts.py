@@ -102,13 +102,13 @@ def make_inputs(shape: Shape, T: int, dtype, seed: int):
 def time_calls(fn, inputs, hit_bytes, opts, flush):
     """Warm-up, then repeats over fresh routed batches (inputs(r)) with caches flushed between;
     stops after --time-budget seconds once min_repeats are done. Returns per-call seconds,
-    per-call GB/s of distinct expert weights hit, and the output of the first measured call."""
+    per-call bytes of distinct expert weights hit, and the output of the first measured call."""
     for i in range(opts.warmup):
         t0 = time.perf_counter()
         fn(*inputs(-1 - i))
         if time.perf_counter() - t0 > 1.0:
             break  # one slow call has already paid every first-use cost
-    times, gbps, first = [], [], None
+    times, hits, first = [], [], None
     start = time.perf_counter()
     for r in range(opts.repeats):
         args = inputs(r)
@@ -117,12 +117,12 @@ def time_calls(fn, inputs, hit_bytes, opts, flush):
         out = fn(*args)
         dt = time.perf_counter() - t0
         times.append(dt)
-        gbps.append(hit_bytes(args[1]) / dt / 1e9)
+        hits.append(hit_bytes(args[1]))
         if first is None:
             first = out
         if len(times) >= opts.min_repeats and time.perf_counter() - start > opts.time_budget:
             break
-    return times, gbps, first
+    return times, hits, first
 
 
 def check(out, ref, x, tol: float) -> dict:
@@ -236,15 +236,15 @@ def run_shape_dtype(shape, dname, opts, copy_gbps, emit, progress, flush):
                 progress(f"{shape.name} T={T} {dname}: {name}")
                 load = membw.OtherLoad()
                 try:
-                    times, gbps, out = time_calls(fn, inputs, hit_bytes, opts, flush)
+                    times, hits, out = time_calls(fn, inputs, hit_bytes, opts, flush)
                     row["other_load"] = load.fraction()
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"
                 else:
                     ms = 1e3 * statistics.median(times)
                     row.update(ms=ms, ms_min=1e3 * min(times), ms_all=[1e3 * t for t in times],
-                               repeats=len(times), gbps=statistics.median(gbps),
-                               bytes_hit_mean=statistics.mean(hit_bytes(inputs(r)[1]) for r in range(len(times))))
+                               repeats=len(times), gbps=statistics.median(h / t / 1e9 for h, t in zip(hits, times)),
+                               bytes_hit_mean=statistics.mean(hits))
                     row["copy_frac"] = row["gbps"] / copy_gbps if copy_gbps else None
                     # 3 matmuls of H x I per (token, expert) pair: prefill is bound by this, not GB/s
                     row["gflops"] = 6 * shape.hidden * shape.inter * T * shape.top_k / (ms * 1e6)

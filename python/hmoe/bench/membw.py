@@ -55,33 +55,17 @@ def llc_bytes() -> int:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    from hmoe.hardware.cpu import cpu_info
 
-    return platform.processor() or platform.machine()
+    return cpu_info().model
 
 
 def cpu_busy_fraction(interval: float = 0.5) -> float | None:
-    """Share of all CPUs' time spent non-idle over `interval` s, from /proc/stat, before this
-    process starts working: other load on the machine makes every timing below unreliable."""
-    def sample():
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-        return sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0)  # total, idle + iowait
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(interval)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    """Share of all CPUs' time used by other processes over `interval` s while this one sleeps,
+    before it starts working: other load on the machine makes every timing below unreliable."""
+    load = OtherLoad()
+    time.sleep(interval)
+    return load.fraction(min_cpu_s=0.0)
 
 
 class OtherLoad:
@@ -126,42 +110,32 @@ def copy_buffer_bytes(requested: int | None = None) -> int:
     return nbytes
 
 
-def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
+def _copy_result(method: str, nbytes: int, times_s: list[float], **extra) -> dict:
+    """A copy measurement: GB/s counts bytes read + bytes written (2x the buffer), GB = 1e9 B."""
+    med = statistics.median(times_s)
+    return {"method": method, **extra, "bytes_buffer": nbytes, "bytes_counted_per_copy": 2 * nbytes,
+            "counts": "bytes read + bytes written", "repeats": len(times_s), "ms_median": med * 1e3,
+            "gbps": 2 * nbytes / med / 1e9, "gbps_best": 2 * nbytes / min(times_s) / 1e9}
+
+
+def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5) -> dict:
     """Bandwidth of a large multi-threaded buffer copy (torch's copy_ is parallelised over its
-    intra-op threads). GB/s counts bytes read + bytes written (2x the buffer), GB = 1e9 B."""
+    intra-op threads)."""
     import torch
 
-    nbytes = copy_buffer_bytes(nbytes)
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        n = nbytes // 4
-        src = torch.empty(n, dtype=torch.float32)
-        src.uniform_(-1.0, 1.0)  # real data; untouched pages would be the shared zero page
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # first touch of dst pays page faults: keep that out of the timing
-        times = []
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        used_threads = torch.get_num_threads()
-        del src, dst
-    finally:
-        torch.set_num_threads(old_threads)
-    med = statistics.median(times)
-    return {
-        "method": "torch Tensor.copy_ of one contiguous fp32 buffer into another",
-        "bytes_buffer": n * 4,
-        "bytes_counted_per_copy": 2 * n * 4,
-        "counts": "bytes read + bytes written",
-        "threads": used_threads,
-        "repeats": len(times),
-        "ms_median": med * 1e3,
-        "gbps": 2 * n * 4 / med / 1e9,
-        "gbps_best": 2 * n * 4 / min(times) / 1e9,
-    }
+    n = copy_buffer_bytes(nbytes) // 4
+    src = torch.empty(n, dtype=torch.float32)
+    src.uniform_(-1.0, 1.0)  # real data; untouched pages would be the shared zero page
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of dst pays page faults: keep that out of the timing
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return _copy_result("torch Tensor.copy_ of one contiguous fp32 buffer into another", n * 4, times,
+                        threads=torch.get_num_threads())
 
 
 class CacheFlusher:
@@ -187,6 +161,23 @@ class CacheFlusher:
             time.sleep(0.01)
 
 
+def cuda_event_ms(fn, repeats: int, before=None) -> list[float]:
+    """Milliseconds of each of `repeats` calls of fn on the current stream, timed with CUDA events
+    (before(), e.g. a cache flush, runs ahead of each call, outside its timing)."""
+    import torch
+
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, repeats))]
+    for start, end in events:
+        if before is not None:
+            before()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def gpu_copy_bandwidth(device, nbytes: int | None = None, repeats: int = 10) -> dict:
     """Device-memory bandwidth of a torch copy_ between two buffers on a CUDA `device`, timed with
     CUDA events (median over repeats). The buffer is >= 2 GiB by default, far past any L2, and is
@@ -204,28 +195,11 @@ def gpu_copy_bandwidth(device, nbytes: int | None = None, repeats: int = 10) -> 
         src = torch.empty(n, dtype=torch.float32, device=device).uniform_(-1.0, 1.0)
         dst = torch.empty_like(src)
         dst.copy_(src)  # first launch of the copy kernel and clocks ramping up stay out of the timing
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(max(1, repeats))]
-        for start, end in events:
-            start.record()
-            dst.copy_(src)
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) / 1e3 for start, end in events]
+        times = [ms / 1e3 for ms in cuda_event_ms(lambda: dst.copy_(src), repeats)]
         del src, dst
         torch.cuda.empty_cache()
-    med = statistics.median(times)
-    return {
-        "method": "torch Tensor.copy_ of one contiguous fp32 device buffer into another, CUDA events",
-        "device": torch.cuda.get_device_name(device),
-        "bytes_buffer": n * 4,
-        "bytes_counted_per_copy": 2 * n * 4,
-        "counts": "bytes read + bytes written",
-        "repeats": len(times),
-        "ms_median": med * 1e3,
-        "gbps": 2 * n * 4 / med / 1e9,
-        "gbps_best": 2 * n * 4 / min(times) / 1e9,
-    }
+    return _copy_result("torch Tensor.copy_ of one contiguous fp32 device buffer into another, CUDA events",
+                        n * 4, times, device=torch.cuda.get_device_name(device))
 
 
 def gpu_matmul_tflops(device, n: int = 8192, repeats: int = 10) -> dict:
@@ -238,14 +212,7 @@ def gpu_matmul_tflops(device, n: int = 8192, repeats: int = 10) -> dict:
         c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
         for _ in range(3):  # cuBLAS heuristics and clocks settle
             torch.matmul(a, b, out=c)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(max(1, repeats))]
-        for start, end in events:
-            start.record()
-            torch.matmul(a, b, out=c)
-            end.record()
-        torch.cuda.synchronize(device)
-        ms = statistics.median(start.elapsed_time(end) for start, end in events)
+        ms = statistics.median(cuda_event_ms(lambda: torch.matmul(a, b, out=c), repeats))
         del a, b, c
         torch.cuda.empty_cache()
     return {"method": f"bf16 torch.matmul {n}x{n}x{n}, random data, CUDA events", "n": n,

@@ -98,14 +98,7 @@ def measure(fn, s: Shape, opts, flush, copy_gbps: float) -> dict:
     run = graph.replay if graph is not None else fn
     for _ in range(opts.warmup):
         run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(opts.repeats)]
-    for start, end in events:
-        flush()
-        start.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    us = [1e3 * start.elapsed_time(end) for start, end in events]
+    us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
     med = statistics.median(us)
     gbps = bytes_moved(s) / (med * 1e3)
     return {"us": med, "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note, "gbps": gbps,
