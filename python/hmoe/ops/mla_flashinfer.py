@@ -168,11 +168,16 @@ def check(backend: str, cc, driver_cuda=None) -> tuple[bool, str]:
     return (True, "; ".join([f"flashinfer {version} {backend} on {ccs}", how] + notes)) if ok else (False, how)
 
 
+def _has_fallback(backend: str, cc) -> bool:
+    """fa3 refused on Hopper is served by fa2 (off Hopper fa3 does not run at all)."""
+    return backend == "fa3" and tuple(cc) == HOPPER
+
+
 def selection_check(backend: str):
     """check() as dispatch calls it; on Hopper a refused fa3 is served by fa2, as the reason then says."""
     def hook(cc, driver_cuda):
         ok, why = check(backend, cc, driver_cuda)
-        if ok or backend != "fa3" or tuple(cc) != HOPPER:
+        if ok or not _has_fallback(backend, cc):
             return ok, why
         ok2, why2 = check("fa2", cc, driver_cuda)
         return (True, f"fa3 refused ({why}); falls back to fa2: {why2}") if ok2 else \
@@ -341,7 +346,7 @@ def resolve(torch, index: int, backend: str, dtype) -> str:
     if st["usable"]:
         return backend
     where = f"mla_decode on cuda:{index} ({_dtname(dtype)})"
-    if backend != "fa3" or _hw.cc(torch, index) != HOPPER:
+    if not _has_fallback(backend, _hw.cc(torch, index)):
         raise RuntimeError(f"flashinfer-{backend} cannot run {where}: {st['detail']}")
     st2 = _validated(torch, index, "fa2", dtype)
     if not st2["usable"]:
