@@ -229,12 +229,19 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
     forced, source = (variant, "variant=") if variant else \
         (os.environ.get("HMOE_CUDA_VARIANT") or None, "HMOE_CUDA_VARIANT=")
     note = ""
+
+    def refuse(why: str, fix: str | None = None):
+        """A forced variant that cannot run is the caller's error; otherwise no variant can."""
+        if forced is not None:
+            raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
+        raise NoGpuVariant(why, fix)
+
     if forced is not None:
         hook = _extra_for(forced, op)
         if hook is not None:
             ok, why = hook(cc, driver_cuda)
             if not ok:
-                raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
+                refuse(why)
             return Selection(op, forced, "", f"forced by {source}{forced}: {why}",
                              device=device_label)
     kernels, build_cuda = _gpu_kernels(op, kernels, build_cuda)
@@ -256,23 +263,18 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
     need = tuple(_arch.load("gpu")["min_compute_capability"])
     if cc < need:
         why = f"unsupported: {ccs} < {need[0]}.{need[1]}"
-        fix = (f"hmoe's CUDA kernels need compute capability {need[0]}.{need[1]} or newer; "
-               "run this op on the CPU")
-        if forced is not None:
-            raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
-        raise NoGpuVariant(why, fix)
+        refuse(why, f"hmoe's CUDA kernels need compute capability {need[0]}.{need[1]} or newer; "
+                    "run this op on the CPU")
     if driver_cuda is not None and build_cuda is not None and driver_cuda[0] < build_cuda[0]:
         floor = (build_cuda[0], 0)  # minor-version compatibility: any 13.x driver runs 13.y SASS
-        why = (f"driver too old: it supports CUDA {driver_cuda[0]}.{driver_cuda[1]}, this build "
-               f"needs {floor[0]}.{floor[1]}: {_driver_fix(floor, driver_cuda)}")
-        if forced is not None:
-            raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
-        raise NoGpuVariant(why, _driver_fix(floor, driver_cuda))
+        fix = _driver_fix(floor, driver_cuda)
+        refuse(f"driver too old: it supports CUDA {driver_cuda[0]}.{driver_cuda[1]}, this build "
+               f"needs {floor[0]}.{floor[1]}: {fix}", fix)
 
     if forced is not None:
         ok, target, why = _plan_family(kernels[forced], cc, driver_cuda, build_cuda)
         if not ok:
-            raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
+            refuse(why)
         module = module_name(kernels[forced])
         if load_module:
             load(module, _table_for(signatures, forced))  # the user asked for this one
