@@ -137,16 +137,21 @@ inline void mk_rows(const float* A, int64_t lda, const void* const* rows, int64_
   }
 }
 
-// Calls f(std::integral_constant<int, M>) for the compile-time M == m (1 <= m <= isa::kMR).
-template <int M = 1, typename F>
-inline void with_mr(int m, F&& f) {
-  if constexpr (M <= isa::kMR) {
-    if (m == M) {
+// Calls f(std::integral_constant<int, M>) for the compile-time M == n (1 <= n <= Max).
+template <int Max, int M = 1, typename F>
+inline void with_count(int n, F&& f) {
+  if constexpr (M <= Max) {
+    if (n == M) {
       f(std::integral_constant<int, M>{});
       return;
     }
-    with_mr<M + 1>(m, static_cast<F&&>(f));
+    with_count<Max, M + 1>(n, static_cast<F&&>(f));
   }
+}
+// with_count for a row count m of a micro-kernel (1 <= m <= isa::kMR).
+template <typename F>
+inline void with_mr(int m, F&& f) {
+  with_count<isa::kMR>(m, static_cast<F&&>(f));
 }
 
 }  // namespace HMOE_ISA

@@ -173,10 +173,7 @@ template <typename Epi>
 void packed_rows_n(int nr, const MoeParams& p, int64_t rows, const void* A, int64_t lda, const void* const* B,
                    int64_t kd, Epi&& epi) {
   static_assert(isa::kNR <= kMaxNR, "output tile");
-  if (nr >= 4 && isa::kNR >= 4) packed_rows<(isa::kNR >= 4 ? 4 : 1)>(p, rows, A, lda, B, kd, epi);
-  else if (nr == 3 && isa::kNR >= 3) packed_rows<(isa::kNR >= 3 ? 3 : 1)>(p, rows, A, lda, B, kd, epi);
-  else if (nr == 2) packed_rows<2>(p, rows, A, lda, B, kd, epi);
-  else packed_rows<1>(p, rows, A, lda, B, kd, epi);
+  with_count<isa::kNR>(nr, [&](auto NR) { packed_rows<NR>(p, rows, A, lda, B, kd, epi); });
 }
 
 void store_h(const Dims& d, const float* h, void* Hact, int64_t row, int64_t col) {
