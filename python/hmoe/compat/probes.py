@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from .. import _arch
+from .. import _arch, dispatch
 
 # Runs in the child: everything it learns goes to stdout as one JSON object.
 _CHILD = r"""
@@ -139,7 +139,7 @@ def torch_section(raw: dict, det) -> tuple[dict, list]:
         problems.append(("warning", f"torch {t['version']} is a CPU-only build but this machine has "
                          "NVIDIA GPUs", "install a CUDA build of torch to use hmoe's GPU ops"))
     if t["cuda_version"] and det.driver_cuda is not None:
-        tv = tuple(int(x) for x in str(t["cuda_version"]).split(".")[:2])
+        tv = dispatch._version(t["cuda_version"])
         if tv[0] > det.driver_cuda[0]:
             problems.append(("warning", f"torch is built for CUDA {t['cuda_version']}, the driver "
                              f"supports {det.driver_cuda[0]}.{det.driver_cuda[1]}",
