@@ -13,7 +13,12 @@ _failed: dict[str, str] = {}
 
 
 class NativeModuleError(RuntimeError):
-    """A native module is missing, does not load, or does not match this Python package."""
+    """A native module is missing, does not load, or does not match this Python package; `kind`
+    says which: "missing", "load_error" or "signature_mismatch"."""
+
+    def __init__(self, msg: str, kind: str = "signature_mismatch"):
+        super().__init__(msg)
+        self.kind = kind
 
 
 def _fix_hint() -> str:
@@ -46,20 +51,20 @@ def load(name: str, expected: dict[str, str]):
         if name in _loaded:
             return _loaded[name]
         if name in _failed:
-            raise NativeModuleError(_failed[name])
+            raise NativeModuleError(*_failed[name])
         try:
             mod = importlib.import_module(f"hmoe._native.{name}")
         except ImportError as e:
-            msg = f"hmoe._native.{name} could not be loaded: {e}"
+            kind, msg = "load_error", f"hmoe._native.{name} could not be loaded: {e}"
             if "No module named" in str(e):
-                msg = (f"hmoe._native.{name} is not in this installation (see hmoe.build_info() "
-                       f"for what the wheel contains); {_fix_hint()}")
-            _failed[name] = msg
-            raise NativeModuleError(msg) from None
+                kind, msg = "missing", (f"hmoe._native.{name} is not in this installation (see "
+                                        f"hmoe.build_info() for what the wheel contains); {_fix_hint()}")
+            _failed[name] = (msg, kind)
+            raise NativeModuleError(msg, kind) from None
         try:
             check_module(mod, name, expected)
         except NativeModuleError as e:
-            _failed[name] = str(e)
+            _failed[name] = (str(e), e.kind)
             raise
         _loaded[name] = mod
         return mod

@@ -111,11 +111,8 @@ def _load_status(module: str, table: dict) -> dict:
     try:
         load(module, table)
     except NativeModuleError as e:
-        msg = str(e)
-        status = ("missing" if "not in this installation" in msg else
-                  "load_error" if "could not be loaded" in msg else "signature_mismatch")
-        return {"loaded": status == "signature_mismatch", "signature_ok": False,
-                "status": status, "detail": msg}
+        return {"loaded": e.kind == "signature_mismatch", "signature_ok": False,
+                "status": e.kind, "detail": str(e)}
     except BaseException as e:  # noqa: BLE001 - whatever a corrupt .so raises
         if isinstance(e, KeyboardInterrupt):
             raise
