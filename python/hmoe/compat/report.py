@@ -218,6 +218,8 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     failed = {}  # (reason, fix) -> ([devices], [ops]): one problem for what many rows share
     kernels = manifest.get("cuda_kernels", {})
     ops = sorted({e["op"] for e in kernels.values()}) or ["grouped_topk"]
+    sigs = {op: {e["family"]: expected_signatures(module_name(e), op) for e in kernels.values() if e["op"] == op}
+            for op in ops}  # family -> signature table, per op
     devices = [(d.label, d.compute_capability, det.driver_cuda) for d in det.visible]
     if not det.ok and torch_info.get("devices"):
         # No NVML: the devices torch saw (in its child process) stand in for it.
@@ -231,10 +233,8 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
                          "works; update the driver")
             continue
         for op in ops:
-            sigs = {e["family"]: expected_signatures(module_name(e), op)
-                    for e in kernels.values() if e["op"] == op}
             try:
-                sel = dispatch.select_gpu(op, sigs, cc=cc, driver_cuda=driver_cuda, device_label=label)
+                sel = dispatch.select_gpu(op, sigs[op], cc=cc, driver_cuda=driver_cuda, device_label=label)
                 rows.append(_row(label, op, sel, simulated=det.simulated))
             except KeyboardInterrupt:
                 raise
