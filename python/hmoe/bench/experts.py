@@ -12,6 +12,7 @@ import sys
 import time
 
 from hmoe.bench import membw
+from hmoe.bench._report import progress, table_header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +173,7 @@ def format_row(row: dict) -> str:
 
 
 def format_header() -> str:
-    head = "  ".join(f"{t:<{w}}" for t, w, _, _ in COLUMNS).rstrip()
-    return head + "\n" + "-" * len(head)
+    return table_header(COLUMNS)
 
 
 def run_shape_dtype(shape, dname, opts, copy_gbps, emit, progress, flush):
@@ -321,9 +321,6 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
     import torch
 
     import hmoe
-
-    def progress(msg):
-        print(f"[hmoe.bench] {msg}", file=sys.stderr, flush=True)
 
     if opts.threads:
         hmoe.set_num_threads(opts.threads)

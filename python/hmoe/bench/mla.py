@@ -10,6 +10,7 @@ import sys
 import types
 
 from hmoe.bench import membw
+from hmoe.bench._report import progress, table_header
 from hmoe.ops.mla import D_CKV, D_PE
 from hmoe.ops.mla_flashinfer import HOPPER, TOL, reference as mla_reference
 
@@ -238,8 +239,7 @@ COLUMNS = [  # (title, width, cell)
 
 
 def format_header() -> str:
-    head = "  ".join(f"{t:<{w}}" for t, w, _ in COLUMNS).rstrip()
-    return head + "\n" + "-" * len(head)
+    return table_header(COLUMNS)
 
 
 def format_row(row: dict) -> str:
@@ -325,9 +325,6 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
             return 2
     import hmoe
     from hmoe.ops import _cuda
-
-    def progress(msg):
-        print(f"[hmoe.bench] {msg}", file=sys.stderr, flush=True)
 
     opts.device = dev = torch.device("cuda", torch.cuda.current_device())  # pick one with CUDA_VISIBLE_DEVICES
     props = torch.cuda.get_device_properties(dev)
