@@ -292,10 +292,11 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   if (t0 < t1) issue(kv_s);
   cp_async_commit();
   if (t0 + 1 < t1) walk.read();  // tile t0 + 1
-  if (threadIdx.x < kHeads) {  // read after the first barrier
-    m_s[threadIdx.x] = -INFINITY;
-    l_s[threadIdx.x] = 0.f;
-  }
+  // The softmax state of this thread's head (see the softmax): the running max (the same in all of
+  // the head's threads) and the sum of this thread's columns, reduced over the head once at the end.
+  constexpr int kTpr = NT / kHeads, kCpt = kTile / kTpr;
+  const int srow = threadIdx.x / kTpr, sq = threadIdx.x % kTpr;
+  float m_run = -INFINITY, l_run = 0.f;
   float o[MT][kON8][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -358,22 +359,22 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     }
     __syncthreads();
 
-    // Online softmax, kTpr threads per head, kCpt score columns each (thread q of a head takes
-    // the 4-column chunks q, q + kTpr, ...): the 4 partial sums, scaled, masked; row max and sum
-    // reduced over the head's threads. The running max only
-    // moves when a score exceeds it by more than 2^kLazy (p then stays <= 2^kLazy, exact in
-    // fp32 and in P's dtype), so alpha is exactly 1 on most tiles and O's rescale is skipped.
+    // Online softmax, kTpr threads per head, kCpt score columns each (thread sq of a head takes
+    // the 4-column chunks sq, sq + kTpr, ...): the 4 partial sums, scaled, masked. The running max
+    // only moves when a score exceeds it by more than 2^kLazy (p then stays <= 2^kLazy, exact in
+    // fp32 and in P's dtype): one vote says whether any head of the warp needs it to, and only
+    // then is the row max reduced over the head's threads; so alpha is exactly 1 on most tiles
+    // and O's rescale is skipped. Each thread sums its own columns' p (l_run), so no reduction
+    // stands between the exponentials and the barrier.
     {
-      constexpr int kTpr = NT / kHeads, kCpt = kTile / kTpr;
-      const int row = threadIdx.x / kTpr, q = threadIdx.x % kTpr;
       float v[kCpt];
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4) {
-        const int chunk = q + (c / 4) * kTpr;
-        float4 acc = *reinterpret_cast<const float4*>(s_s + s_off(row, chunk));
+        const int chunk = sq + (c / 4) * kTpr;
+        float4 acc = *reinterpret_cast<const float4*>(s_s + s_off(srow, chunk));
 #pragma unroll
         for (int w = 1; w < kWarps; ++w) {
-          const float4 x = *reinterpret_cast<const float4*>(s_s + s_off(w * kHeads + row, chunk));
+          const float4 x = *reinterpret_cast<const float4*>(s_s + s_off(w * kHeads + srow, chunk));
           acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
         }
         v[c] = acc.x, v[c + 1] = acc.y, v[c + 2] = acc.z, v[c + 3] = acc.w;
@@ -382,31 +383,29 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < kCpt; ++c) {
-        v[c] = 4 * (q + (c / 4) * kTpr) + c % 4 < valid ? v[c] * scale : -INFINITY;
+        v[c] = 4 * (sq + (c / 4) * kTpr) + c % 4 < valid ? v[c] * scale : -INFINITY;
         mx = fmaxf(mx, v[c]);
       }
-      mx = warp_max<kTpr>(mx);
-      const float m_old = m_s[row];
-      // m_old = -inf: nothing seen yet; all masked so far (mx = -inf too): p = 0 with m = 0.
-      const float m_use = mx > m_old + kLazy ? mx : m_old == -INFINITY ? 0.f : m_old;
+      const float m_old = m_run;
+      if (__any_sync(0xffffffffu, mx > m_old + kLazy || m_old == -INFINITY)) {
+        mx = warp_max<kTpr>(mx);
+        // m_old = -inf: nothing seen yet; all masked so far (mx = -inf too): p = 0 with m = 0.
+        m_run = mx > m_old + kLazy ? mx : m_old == -INFINITY ? 0.f : m_old;
+      }
       float sum = 0.f;
       uint32_t pk[kCpt / 2];
 #pragma unroll
       for (int c = 0; c < kCpt; c += 2) {
-        const float e0 = exp2f(v[c] - m_use), e1 = exp2f(v[c + 1] - m_use);
+        const float e0 = exp2f(v[c] - m_run), e1 = exp2f(v[c + 1] - m_run);
         sum += e0 + e1;
         pk[c / 2] = pack2<T>(e0, e1);
       }
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4)
-        *reinterpret_cast<uint2*>(p_s + row * L::kPRow + 4 * (q + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
-      sum = warp_sum<kTpr>(sum);
-      if (threadIdx.x % kTpr == 0) {
-        const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_use);
-        l_s[row] = l_s[row] * alpha + sum;
-        m_s[row] = m_use;
-        a_s[row] = alpha;
-      }
+        *reinterpret_cast<uint2*>(p_s + srow * L::kPRow + 4 * (sq + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
+      const float alpha = m_old == m_run ? 1.f : m_old == -INFINITY ? 0.f : exp2f(m_old - m_run);
+      l_run = l_run * alpha + sum;
+      if (sq == 0) a_s[srow] = alpha;
     }
     __syncthreads();
 
@@ -449,7 +448,12 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     }
   }
   cp_async_wait<0>();  // the (empty) groups committed past the last tile
-  __syncthreads();     // final m, l (and empty splits: the initial values)
+  l_run = warp_sum<kTpr>(l_run);
+  if (sq == 0) {  // an empty split: m = -inf, l = 0
+    m_s[srow] = m_run;
+    l_s[srow] = l_run;
+  }
+  __syncthreads();  // final m, l
   grid_dependents_may_launch();
 
   // Normalise and write: the output directly, or this split's fp32 partial.
