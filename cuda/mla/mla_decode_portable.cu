@@ -28,7 +28,6 @@ namespace hmoe {
 namespace {
 
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
-constexpr int kChunksCkv = kMlaDimCkv / 8;    // 16-byte chunks per row
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
@@ -56,16 +55,28 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-constexpr int kRowBytes = kDim * 2;           // a KV row in shared memory: 1152 B = 9 x 128, unpadded (kv_off)
-constexpr int kTileBytes = kTile * kRowBytes;  // one ring buffer
+// A ring buffer holds a tile as two regions: the latent rows (1024 B each, unpadded, kv_off) and
+// then the rope parts, grouped by the warp that owns them (rope_off).
+constexpr int kRowBytes = kMlaDimCkv * 2;         // a latent row in shared memory
+constexpr int kRopeBytes = kTile * kMlaDimPe * 2;  // the rope region of a buffer
+constexpr int kTileBytes = kTile * kRowBytes + kRopeBytes;  // one ring buffer
+static_assert(kTileBytes == kTile * kDim * 2, "Smem sizes the ring by rows of kDim");
 
-// Byte offset of 16-byte chunk `chunk` of KV ring row `row`. Rows are unpadded; inside each
-// 128-byte line the chunks are XOR-swizzled by the row's low 3 bits. A warp's cp.async then
-// writes whole lines, and an ldmatrix's 8 rows at one logical chunk hit 8 distinct 16-byte bank
-// groups (a padded row did that for ldmatrix but made every cp.async that started off a 128-byte
-// boundary cost twice its shared-memory wavefronts). Adding 8 to a chunk adds 128 to its offset
-// (the XOR only touches the low 3 bits).
+// Byte offset of 16-byte latent chunk `chunk` of ring row `row`. Inside each 128-byte line the
+// chunks are XOR-swizzled by the row's low 3 bits. A warp's cp.async then writes whole lines, and
+// an ldmatrix's 8 rows at one logical chunk hit 8 distinct 16-byte bank groups (a padded row did
+// that for ldmatrix but made every cp.async that started off a 128-byte boundary cost twice its
+// shared-memory wavefronts). Adding 8 to a chunk adds 128 to its offset (the XOR only touches the
+// low 3 bits), adding 8 rows adds 8 rows.
 __device__ __forceinline__ uint32_t kv_off(int row, int chunk) { return row * kRowBytes + ((chunk ^ (row & 7)) << 4); }
+
+// Byte offset of rope chunk `chunk` (0 or 1) of warp `warp`'s 32 rope bytes of row `row`: the
+// warp's 32 B of every row lie together (1 KB), so its copy of 16 rows writes 4 whole lines (in
+// place in the row its 32 B spanned 16 lines: 4x the wavefronts); the chunk is swizzled by row
+// bit 2, which keeps an ldmatrix's 8 rows (256 B) on distinct bank groups. Adding 16 rows adds 512.
+__device__ __forceinline__ uint32_t rope_off(int warp, int row, int chunk) {
+  return kTile * kRowBytes + warp * (kTile * 32) + row * 32 + ((chunk ^ ((row >> 2) & 1)) << 4);
+}
 
 // Float offset of 4-float chunk `chunk` (0..7) of partial-score row `row` (32 floats, unpadded).
 // The swizzle keeps both accesses at their ideal wavefront count: the mma layout's float2 stores
@@ -115,6 +126,15 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// 2^x on the SFU, subnormal results flushed to zero (exp2f adds a rescale for them: 3 more
+// instructions a call). The softmax's p are at most 2^kLazy and the sum they feed holds a 1 for
+// the running max, so a p below 2^-126 is noise however it rounds.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -178,13 +198,13 @@ struct TokenWalk {
 // The KV copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies: lanes
 // 0-15 take row 2i, lanes 16-31 row 2i + 1) and its 2 rope chunks (2 copies: lane l takes row
 // 16j + l / 2). Lane l holds the cache row (TokenWalk::row) of the tile's token l; the others get it by
-// shuffle. The swizzle of a row depends only on its low 3 bits, so the destinations are 4 + 1
+// shuffle. The swizzles depend only on a row's low 3 bits, so the destinations are 4 + 1
 // per-lane constants plus immediates.
 struct KvLoader {
   const char* ckv;
   const char* kpe;
   uint32_t dst[4];  // latent copy i: dst[i % 4] + 2i rows
-  uint32_t rope_dst;  // rope copy j: rope_dst + 16j rows
+  uint32_t rope_dst;  // rope copy j: rope_dst + 512 j
 
   __device__ __forceinline__ explicit KvLoader(const MlaDecodeParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -192,7 +212,7 @@ struct KvLoader {
     kpe = static_cast<const char*>(p.kpe) + warp * (2 * kMlaDimPe / kWarps) + (lane & 1) * 16;
 #pragma unroll
     for (int u = 0; u < 4; ++u) dst[u] = kv_off(2 * u + (lane >> 4), warp * 16 + (lane & 15)) - 2 * u * kRowBytes;
-    rope_dst = kv_off(lane >> 1, kChunksCkv + 2 * warp + (lane & 1));
+    rope_dst = rope_off(warp, lane >> 1, lane & 1);
   }
 
   // Issues this warp's copies of the tile at shared address `buf`; lane l holds token l's row.
@@ -208,7 +228,7 @@ struct KvLoader {
     for (int j = 0; j < 2; ++j) {
       const int row = __shfl_sync(0xffffffffu, my_row, 16 * j + (lane >> 1));
       const bool zero = row < 0;
-      cp_async16(buf + rope_dst + 16 * j * kRowBytes, kpe + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimPe), zero);
+      cp_async16(buf + rope_dst + 512 * j, kpe + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimPe), zero);
     }
   }
 
@@ -226,7 +246,7 @@ struct KvLoader {
     const char* k = kpe + (uint64_t(row0) + (lane >> 1)) * (2 * kMlaDimPe);
     const int vk = valid - (lane >> 1);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) cp_async16(buf + rope_dst + 16 * j * kRowBytes, k + 16 * j * (2 * kMlaDimPe), 16 * j >= vk);
+    for (int j = 0; j < 2; ++j) cp_async16(buf + rope_dst + 512 * j, k + 16 * j * (2 * kMlaDimPe), 16 * j >= vk);
   }
 };
 
@@ -313,7 +333,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     k_off[u] = kv_off(k_row, warp * kDimsW / 8 + 2 * u + k_half);
     v_off[u] = kv_off(lane & 15, warp * kDimsW / 8 + 2 * u + (lane >> 4));
   }
-  const uint32_t k_rope = kv_off(k_row, kChunksCkv + warp * kPeW / 8 + k_half);
+  const uint32_t k_rope = rope_off(warp, k_row, k_half);
 
   for (int t = t0; t < t1; ++t) {
     const int i = t - t0;
@@ -325,7 +345,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     cp_async_commit();
     cp_async_wait<1>();  // tile t; tile t + 1 may fly on
     __syncwarp();        // the warp's copies of tile t visible to all its lanes
-    const uint32_t kvh[2] = {kv_s + (i % kStages) * kTileBytes, kv_s + (i % kStages) * kTileBytes + 16 * kRowBytes};
+    const uint32_t buf = kv_s + (i % kStages) * kTileBytes;
 
     // Partial S = Q K^T over this warp's dims, every head, 16 tokens at a time
     // (fewer live accumulators next to O and Q).
@@ -339,7 +359,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
       for (int ks = 0; ks < kKS; ++ks) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, kvh[j / 2] + (ks < kKS - 1 ? k_off[ks % 4] + 128 * (ks / 4) : k_rope));
+        ldmatrix_x4(bk, buf + (ks < kKS - 1 ? (j / 2) * 16 * kRowBytes + k_off[ks % 4] + 128 * (ks / 4) : (j / 2) * 512 + k_rope));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(s[m][0], qf[m][ks], bk);
@@ -366,6 +386,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     // then is the row max reduced over the head's threads; so alpha is exactly 1 on most tiles
     // and O's rescale is skipped. Each thread sums its own columns' p (l_run), so no reduction
     // stands between the exponentials and the barrier.
+    bool moved;
     {
       float v[kCpt];
 #pragma unroll
@@ -396,38 +417,32 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
       uint32_t pk[kCpt / 2];
 #pragma unroll
       for (int c = 0; c < kCpt; c += 2) {
-        const float e0 = exp2f(v[c] - m_run), e1 = exp2f(v[c + 1] - m_run);
+        const float e0 = exp2_ftz(v[c] - m_run), e1 = exp2_ftz(v[c + 1] - m_run);
         sum += e0 + e1;
         pk[c / 2] = pack2<T>(e0, e1);
       }
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4)
         *reinterpret_cast<uint2*>(p_s + srow * L::kPRow + 4 * (sq + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
-      const float alpha = m_old == m_run ? 1.f : m_old == -INFINITY ? 0.f : exp2f(m_old - m_run);
+      const float alpha = m_old == m_run ? 1.f : m_old == -INFINITY ? 0.f : exp2_ftz(m_old - m_run);
       l_run = l_run * alpha + sum;
       if (sq == 0) a_s[srow] = alpha;
+      moved = alpha != 1.f;
     }
-    __syncthreads();
+    moved = __syncthreads_or(moved);  // P and a_s complete; does any head rescale O?
 
     // O = alpha * O + P V for every head x this warp's latent dims (alpha = 1: no rescale).
-    {
-      float al[MT][2];
-      bool rescale = false;
+    if (moved) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        al[m][0] = a_s[m * 16 + lane / 4], al[m][1] = a_s[m * 16 + lane / 4 + 8];
-        rescale |= al[m][0] != 1.f || al[m][1] != 1.f;
-      }
-      if (__any_sync(0xffffffffu, rescale)) {
+        const float a0 = a_s[m * 16 + lane / 4], a1 = a_s[m * 16 + lane / 4 + 8];
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int j = 0; j < kON8; ++j) {
-            o[m][j][0] *= al[m][0];
-            o[m][j][1] *= al[m][0];
-            o[m][j][2] *= al[m][1];
-            o[m][j][3] *= al[m][1];
-          }
+        for (int j = 0; j < kON8; ++j) {
+          o[m][j][0] *= a0;
+          o[m][j][1] *= a0;
+          o[m][j][2] *= a1;
+          o[m][j][3] *= a1;
+        }
       }
     }
 #pragma unroll
@@ -438,7 +453,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
       for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(bv, kvh[k0 / 16] + v_off[(j / 2) % 4] + 128 * (j / 8));
+        ldmatrix_x4_trans(bv, buf + k0 * kRowBytes + v_off[(j / 2) % 4] + 128 * (j / 8));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(o[m][j], a[m], bv);
