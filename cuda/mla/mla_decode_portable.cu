@@ -1,12 +1,13 @@
-// Portable MLA decode (absorbed form) for sm_80 and newer: mma.sync m16n8k16, cp.async, paged
-// KV, split-KV with fp32 partials and a combine kernel.
+// Portable MLA decode (absorbed form) for sm_80 and newer: mma.sync m16n8k16, paged KV,
+// split-KV with fp32 partials and a combine kernel.
 //
 // One CTA = (KV split, 16 * MT heads, request) and 4 warps, walking the cache in 32-token tiles
-// through a ring of 2 tiles (cp.async; the next tile is in flight while one is in use). Every warp
-// covers all of the CTA's heads, so each shared-memory operand it loads feeds MT mma, and owns a
-// quarter of every KV row: latent dims [128 w, 128 w + 128) and rope dims [16 w, 16 w + 16). It
-// copies those columns itself and reads no others, so a tile's arrival and the reuse of its
-// buffer concern one warp only (cp.async wait + __syncwarp): two CTA barriers per tile. Per tile:
+// through a ring of 2 tiles (the next tile is in flight while one is in use). Every warp covers
+// all of the CTA's heads, so each shared-memory operand it loads feeds MT mma, and owns a quarter
+// of every KV row: latent dims [128 w, 128 w + 128) and rope dims [16 w, 16 w + 16). It copies
+// those columns itself (cp.async, or on sm_90+ the TMA when a tile lies in one page: see
+// mla_kv_ring.cuh) and reads no others, so a tile's arrival and the reuse of its buffer concern
+// one warp only: two CTA barriers per tile. Per tile:
 //   S = Q K^T   each warp its 144 dims (its Q fragments stay in registers) x all tokens; the 4
 //               partial sums meet in shared memory
 //   softmax     all warps, 128 / (16 * MT) threads per head, online, log2 domain
@@ -17,65 +18,51 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 
 #include "common/cuda_util.h"
 #include "common/dtype.h"
 #include "mla/mla_decode.h"
+#include "mla/mla_kv_ring.cuh"
 
 namespace hmoe {
 namespace {
+
+using namespace mla;
 
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
 
-constexpr int kWarps = 4;
 constexpr int kMaxSplits = 64;  // <= the two warps that weigh the splits in the combine kernel
-
-constexpr int kTile = 32;    // KV tokens per step (and per ring buffer)
 constexpr int kStages = 2;   // ring buffers
 
+// How a CTA fills its ring: cp.async per lane-held row (any page size), cp.async from one base
+// (tiles inside one page: page size a multiple of kTile), or the TMA (the same, on sm_90+).
+enum Loader { kLoadRows, kLoadContig, kLoadTma };
+
+// Shared memory of a CTA, offsets from a kTileAlign-aligned base (the launcher adds kTileAlign
+// bytes of slack: the dynamic window's own alignment is not promised).
 template <int MT>
 struct Smem {
   static constexpr int kHeads = 16 * MT;
   static constexpr int kSRow = kTile;      // fp32 partial scores, unpadded (see s_off)
   static constexpr int kPRow = kTile + 8;  // 16-bit probabilities (+16 B for ldmatrix)
   static constexpr int s = 0;              // the partial score tiles, one per warp
-  static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring, 128-byte aligned
-  static constexpr int p = kv + kStages * kTile * kDim * 2;
+  static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring
+  static constexpr int p = kv + kStages * kTileBytes;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
-  static constexpr int bytes = stats + 3 * kHeads * 4;
-  static_assert(kv % 128 == 0 && p % 16 == 0, "aligned regions");
+  static constexpr int bars = stats + 3 * kHeads * 4;   // TMA: an mbarrier per warp and buffer
+  static constexpr int bytes = bars + kWarps * kStages * 8 + kTileAlign;
+  static_assert(kv % kTileAlign == 0 && p % 16 == 0 && bars % 8 == 0, "aligned regions");
+  static_assert(kTileBytes == kTile * kDim * 2, "a ring buffer holds kDim columns of kTile rows");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// A ring buffer holds a tile as two regions: the latent rows (1024 B each, unpadded, kv_off) and
-// then the rope parts, grouped by the warp that owns them (rope_off).
-constexpr int kRowBytes = kMlaDimCkv * 2;         // a latent row in shared memory
-constexpr int kRopeBytes = kTile * kMlaDimPe * 2;  // the rope region of a buffer
-constexpr int kTileBytes = kTile * kRowBytes + kRopeBytes;  // one ring buffer
-static_assert(kTileBytes == kTile * kDim * 2, "Smem sizes the ring by rows of kDim");
-
-// Byte offset of 16-byte latent chunk `chunk` of ring row `row`. Inside each 128-byte line the
-// chunks are XOR-swizzled by the row's low 3 bits. A warp's cp.async then writes whole lines, and
-// an ldmatrix's 8 rows at one logical chunk hit 8 distinct 16-byte bank groups (a padded row did
-// that for ldmatrix but made every cp.async that started off a 128-byte boundary cost twice its
-// shared-memory wavefronts). Adding 8 to a chunk adds 128 to its offset (the XOR only touches the
-// low 3 bits), adding 8 rows adds 8 rows.
-__device__ __forceinline__ uint32_t kv_off(int row, int chunk) { return row * kRowBytes + ((chunk ^ (row & 7)) << 4); }
-
-// Byte offset of rope chunk `chunk` (0 or 1) of warp `warp`'s 32 rope bytes of row `row`: the
-// warp's 32 B of every row lie together (1 KB), so its copy of 16 rows writes 4 whole lines (in
-// place in the row its 32 B spanned 16 lines: 4x the wavefronts); the chunk is swizzled by row
-// bit 2, which keeps an ldmatrix's 8 rows (256 B) on distinct bank groups. Adding 16 rows adds 512.
-__device__ __forceinline__ uint32_t rope_off(int warp, int row, int chunk) {
-  return kTile * kRowBytes + warp * (kTile * 32) + row * 32 + ((chunk ^ ((row >> 2) & 1)) << 4);
 }
 
 // Float offset of 4-float chunk `chunk` (0..7) of partial-score row `row` (32 floats, unpadded).
@@ -85,16 +72,6 @@ __device__ __forceinline__ int s_off(int row, int chunk) {
   const int x = ((row & 1) << 2) ^ (((row >> 1) & 3) << 1);
   return row * kTile + ((chunk ^ x) << 2);
 }
-
-// 16-byte async copy; zero = true fills the destination with zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool zero) {
-  asm volatile(
-      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
-      "l"(src), "r"(int(zero)));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -161,98 +138,11 @@ __device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
   return min(max(len, 0), p.max_pages * p.page_size);
 }
 
-// A walk over one token of each tile (lane l's token l, or the tile's first token when a tile lies
-// in one page): the token's page-table entry is read two tiles ahead and only turned into a cache
-// row (and checked) when the tile is issued, one iteration later, so the page-table latency stays
-// off the loop's critical path. Rows past the sequence or outside
-// the cache are -1, zero-filled (their scores are masked to -inf, but 0 * NaN from stale cache
-// rows in P V would still poison the output). The page index and offset advance by a tile per
-// step, without division.
-struct TokenWalk {
-  const int* table;  // the request's page-table row
-  int len, page_size, num_pages;
-  int tok, pg, off;  // the token whose entry is read next, its page index and offset
-  int page, page_off, page_tok;  // the last entry read (raw; -1 past the sequence), its offset and token
-
-  __device__ __forceinline__ TokenWalk(const MlaDecodeParams& p, int b, int len_, int first)
-      : table(p.page_table + int64_t(b) * p.max_pages), len(len_), page_size(p.page_size),
-        num_pages(p.num_pages), tok(first), pg(first / p.page_size), off(first % p.page_size) {}
-
-  // Reads the entry of the current token, then moves to the same lane's token of the next tile.
-  __device__ __forceinline__ void read() {
-    page = tok < len ? table[pg] : -1;  // tok < len <= max_pages * page_size: pg is in the row
-    page_off = off;
-    page_tok = tok;
-    tok += kTile;
-    off += kTile;
-    while (off >= page_size) off -= page_size, ++pg;
-  }
-  // The cache row of the entry read last (the launcher checks that rows fit in an int32).
-  __device__ __forceinline__ int row() const {
-    return page >= 0 && page < num_pages ? page * page_size + page_off : -1;
-  }
-  // Tokens of the sequence from the entry's token on, at most a tile.
-  __device__ __forceinline__ int valid() const { return min(max(len - page_tok, 0), kTile); }
-};
-
-// The KV copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies: lanes
-// 0-15 take row 2i, lanes 16-31 row 2i + 1) and its 2 rope chunks (2 copies: lane l takes row
-// 16j + l / 2). Lane l holds the cache row (TokenWalk::row) of the tile's token l; the others get it by
-// shuffle. The swizzles depend only on a row's low 3 bits, so the destinations are 4 + 1
-// per-lane constants plus immediates.
-struct KvLoader {
-  const char* ckv;
-  const char* kpe;
-  uint32_t dst[4];  // latent copy i: dst[i % 4] + 2i rows
-  uint32_t rope_dst;  // rope copy j: rope_dst + 512 j
-
-  __device__ __forceinline__ explicit KvLoader(const MlaDecodeParams& p) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    ckv = static_cast<const char*>(p.ckv) + warp * (2 * kMlaDimCkv / kWarps) + (lane & 15) * 16;
-    kpe = static_cast<const char*>(p.kpe) + warp * (2 * kMlaDimPe / kWarps) + (lane & 1) * 16;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) dst[u] = kv_off(2 * u + (lane >> 4), warp * 16 + (lane & 15)) - 2 * u * kRowBytes;
-    rope_dst = rope_off(warp, lane >> 1, lane & 1);
-  }
-
-  // Issues this warp's copies of the tile at shared address `buf`; lane l holds token l's row.
-  __device__ __forceinline__ void tile(uint32_t buf, int my_row) const {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < kTile / 2; ++i) {
-      const int row = __shfl_sync(0xffffffffu, my_row, 2 * i + (lane >> 4));
-      const bool zero = row < 0;
-      cp_async16(buf + dst[i % 4] + 2 * i * kRowBytes, ckv + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimCkv), zero);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int row = __shfl_sync(0xffffffffu, my_row, 16 * j + (lane >> 1));
-      const bool zero = row < 0;
-      cp_async16(buf + rope_dst + 512 * j, kpe + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimPe), zero);
-    }
-  }
-
-  // The same for a tile that lies in one page (page size a multiple of the tile): its rows are
-  // consecutive in the cache from row0 (-1: none), so every source is one base plus an immediate.
-  // Rows from `valid` on are zero-filled.
-  __device__ __forceinline__ void tile_contig(uint32_t buf, int row0, int valid) const {
-    const int lane = threadIdx.x % 32;
-    if (row0 < 0) row0 = 0, valid = 0;
-    const char* c = ckv + (uint64_t(row0) + (lane >> 4)) * (2 * kMlaDimCkv);
-    const int vc = valid - (lane >> 4);
-#pragma unroll
-    for (int i = 0; i < kTile / 2; ++i)
-      cp_async16(buf + dst[i % 4] + 2 * i * kRowBytes, c + 2 * i * (2 * kMlaDimCkv), 2 * i >= vc);
-    const char* k = kpe + (uint64_t(row0) + (lane >> 1)) * (2 * kMlaDimPe);
-    const int vk = valid - (lane >> 1);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) cp_async16(buf + rope_dst + 512 * j, k + 16 * j * (2 * kMlaDimPe), 16 * j >= vk);
-  }
-};
-
-// CONTIG: the page size is a multiple of the tile, so a tile lies in one page (tile_contig).
-template <typename T, int MT, bool CONTIG>
-__global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecodeParams p) {
+// LOADER: see Loader; kLoadTma compiles as kLoadContig below sm_90 (the launcher never picks it
+// there). maps: the TMA's tensor maps (unused by the cp.async loaders).
+template <typename T, int MT, int LOADER>
+__global__ void __launch_bounds__(32 * kWarps)
+    mla_decode_kernel(const MlaDecodeParams p, const __grid_constant__ KvTensorMaps maps) {
   using L = Smem<MT>;
   constexpr int NT = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
@@ -262,7 +152,13 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   constexpr int kKS = (kDimsW + kPeW) / 16;    // k16 steps of S per warp (9: 8 latent, 1 rope)
   constexpr int kON8 = kDimsW / 8;
   static_assert(kPeW == 16, "one k16 step of rope per warp");
-  extern __shared__ __align__(128) unsigned char smem[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kTma = LOADER == kLoadTma;
+#else
+  constexpr bool kTma = false;
+#endif
+  extern __shared__ __align__(128) unsigned char smem_window[];
+  unsigned char* smem = smem_window + (kTileAlign - smem_addr(smem_window) % kTileAlign) % kTileAlign;
   float* s_s = reinterpret_cast<float*>(smem + L::s);
   const uint32_t kv_s = smem_addr(smem + L::kv);
   T* p_s = reinterpret_cast<T*>(smem + L::p);
@@ -303,14 +199,27 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
   // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp walks token l of the tiles (or
   // all lanes the tiles' first tokens).
   const KvLoader loader(p);
-  TokenWalk walk(p, b, len, t0 * kTile + (CONTIG ? 0 : lane));
-  auto issue = [&](uint32_t buf) {
-    if constexpr (CONTIG) loader.tile_contig(buf, walk.row(), walk.valid());
-    else loader.tile(buf, walk.row());
+  const TmaLoader tma{&maps.ckv, &maps.kpe};
+  const uint32_t bar0 = smem_addr(smem + L::bars) + warp * kStages * 8;  // this warp's mbarriers
+  TokenWalk walk(p, b, len, t0 * kTile + (LOADER == kLoadRows ? lane : 0));
+  auto issue = [&](int stage) {
+    const uint32_t buf = kv_s + stage * kTileBytes;
+    if constexpr (kTma) {
+      tma.tile(buf, bar0 + 8 * stage, walk.row());
+    } else if constexpr (LOADER != kLoadRows) {
+      loader.tile_contig(buf, walk.row(), walk.valid());
+    } else {
+      loader.tile(buf, walk.row());
+    }
   };
+  if constexpr (kTma) {
+    if (lane == 0)
+      for (int st = 0; st < kStages; ++st) TmaLoader::init(bar0 + 8 * st);
+    __syncwarp();
+  }
   walk.read();
-  if (t0 < t1) issue(kv_s);
-  cp_async_commit();
+  if (t0 < t1) issue(0);
+  if constexpr (!kTma) cp_async_commit();
   if (t0 + 1 < t1) walk.read();  // tile t0 + 1
   // The softmax state of this thread's head (see the softmax): the running max (the same in all of
   // the head's threads) and the sum of this thread's columns, reduced over the head once at the end.
@@ -324,8 +233,8 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     for (int j = 0; j < kON8; ++j) o[m][j][0] = o[m][j][1] = o[m][j][2] = o[m][j][3] = 0.f;
   const float scale = p.sm_scale * kLog2e;
   // Ring offsets of this lane's ldmatrix rows for the first 4 latent k16 steps of S (step ks + 4
-  // adds 128 bytes: 8 chunks) and the rope step, and for the first 4 pairs of n8 tiles of P V
-  // (pair + 4 adds 128).
+  // adds kBlockBytes: 8 chunks) and the rope step, and for the first 4 pairs of n8 tiles of P V
+  // (pair + 4 adds kBlockBytes).
   uint32_t k_off[4], v_off[4];
   const int k_row = (lane & 7) + (lane >> 4) * 8, k_half = (lane >> 3) & 1;
 #pragma unroll
@@ -339,13 +248,23 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
     const int i = t - t0;
     // Tile t + 1 into the buffer of tile t - 1, which this warp (its only reader) has finished.
     if (t + 1 < t1) {
-      issue(kv_s + ((i + 1) % kStages) * kTileBytes);
+      if constexpr (kTma) __syncwarp();  // every lane's reads of it done before lane 0 issues
+      issue((i + 1) % kStages);
       if (t + 2 < t1) walk.read();  // tile t + 2, used at the next step
     }
-    cp_async_commit();
-    cp_async_wait<1>();  // tile t; tile t + 1 may fly on
-    __syncwarp();        // the warp's copies of tile t visible to all its lanes
     const uint32_t buf = kv_s + (i % kStages) * kTileBytes;
+    if constexpr (kTma) {
+      TmaLoader::wait(bar0 + 8 * (i % kStages), (i / kStages) & 1);
+      if (len - t * kTile < kTile) {  // the sequence ends inside this tile
+        zero_tail_rows(buf, len - t * kTile);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // before any later TMA write
+        __syncwarp();
+      }
+    } else {
+      cp_async_commit();
+      cp_async_wait<1>();  // tile t; tile t + 1 may fly on
+      __syncwarp();        // the warp's copies of tile t visible to all its lanes
+    }
 
     // Partial S = Q K^T over this warp's dims, every head, 16 tokens at a time
     // (fewer live accumulators next to O and Q).
@@ -359,7 +278,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
       for (int ks = 0; ks < kKS; ++ks) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, buf + (ks < kKS - 1 ? (j / 2) * 16 * kRowBytes + k_off[ks % 4] + 128 * (ks / 4) : (j / 2) * 512 + k_rope));
+        ldmatrix_x4(bk, buf + (ks < kKS - 1 ? (j / 2) * 16 * 128 + k_off[ks % 4] + kBlockBytes * (ks / 4) : (j / 2) * 512 + k_rope));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(s[m][0], qf[m][ks], bk);
@@ -453,7 +372,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
 #pragma unroll
       for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(bv, buf + k0 * kRowBytes + v_off[(j / 2) % 4] + 128 * (j / 8));
+        ldmatrix_x4_trans(bv, buf + k0 * 128 + v_off[(j / 2) % 4] + kBlockBytes * (j / 8));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(o[m][j], a[m], bv);
@@ -462,7 +381,7 @@ __global__ void __launch_bounds__(32 * kWarps) mla_decode_kernel(const MlaDecode
       }
     }
   }
-  cp_async_wait<0>();  // the (empty) groups committed past the last tile
+  if constexpr (!kTma) cp_async_wait<0>();  // the (empty) groups committed past the last tile
   l_run = warp_sum<kTpr>(l_run);
   if (sq == 0) {  // an empty split: m = -inf, l = 0
     m_s[srow] = m_run;
@@ -575,21 +494,71 @@ int device_attr(int device, cudaDeviceAttr attr) {
 constexpr int kConfigs[][1] = {{2}, {1}};
 constexpr int kNumConfigs = 2;
 
-// Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs) and the
-// loader that `contig` (page size a multiple of kTile) allows.
+// Calls f(kernel, smem bytes, threads) for configuration `c` (an index into kConfigs) and
+// `loader` (a Loader).
 template <typename T, typename F>
-void with_config(int c, bool contig, F&& f) {
-  switch (2 * c + int(contig)) {
-    case 0: f(mla_decode_kernel<T, 2, false>, Smem<2>::bytes, 32 * kWarps); break;
-    case 1: f(mla_decode_kernel<T, 2, true>, Smem<2>::bytes, 32 * kWarps); break;
-    case 2: f(mla_decode_kernel<T, 1, false>, Smem<1>::bytes, 32 * kWarps); break;
-    default: f(mla_decode_kernel<T, 1, true>, Smem<1>::bytes, 32 * kWarps); break;
-  }
+void with_config(int c, int loader, F&& f) {
+  auto pick = [&](auto mt) {
+    constexpr int MT = decltype(mt)::value;
+    constexpr int kBytes = Smem<MT>::bytes, kThreads = 32 * kWarps;
+    switch (loader) {
+      case kLoadRows: f(mla_decode_kernel<T, MT, kLoadRows>, kBytes, kThreads); break;
+      case kLoadContig: f(mla_decode_kernel<T, MT, kLoadContig>, kBytes, kThreads); break;
+      default: f(mla_decode_kernel<T, MT, kLoadTma>, kBytes, kThreads); break;
+    }
+  };
+  if (kConfigs[c][0] == 2) pick(std::integral_constant<int, 2>{});
+  else pick(std::integral_constant<int, 1>{});
+}
+
+// cuTensorMapEncodeTiled, from the driver through the runtime (hmoe links no libcuda): resolved
+// once, by prewarm or the first eager call.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
+          "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (found != cudaDriverEntryPointSuccess || f == nullptr)
+      throw std::runtime_error("mla_decode: the driver has no cuTensorMapEncodeTiled (set HMOE_MLA_TMA=0 to use cp.async)");
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// The TMA's view of the cache (see KvTensorMaps): `cols` 16-bit columns of num_pages * page_size
+// rows, boxes of `box_cols` x kTile.
+CUtensorMap tensor_map(const void* base, int64_t rows, int cols, int box_cols, CUtensorMapSwizzle swizzle) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(kTile)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides,
+                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("mla_decode: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ")");
+  return map;
+}
+
+// The loader for this call: the TMA on sm_90+ when tiles lie in one page and a CTA has 32 heads
+// (with 16 heads, memory-bound, cp.async ran 1% faster: cuda/mla/NOTES.md), unless
+// HMOE_MLA_TMA=0 (a tuning and diagnostic knob: cp.async everywhere).
+int choose_loader(int device, int config, int page_size) {
+  if (page_size % kTile != 0) return kLoadRows;
+  const char* env = std::getenv("HMOE_MLA_TMA");
+  const bool tma_off = env != nullptr && std::string(env) == "0";
+  const bool tma = device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9 && kConfigs[config][0] == 2;
+  return tma && !tma_off ? kLoadTma : kLoadContig;
 }
 
 int config_bytes(int c) {
   int bytes = 0;
-  with_config<__nv_bfloat16>(c, false, [&](auto, int b, int) { bytes = b; });
+  with_config<__nv_bfloat16>(c, kLoadRows, [&](auto, int b, int) { bytes = b; });
   return bytes;
 }
 
@@ -642,11 +611,13 @@ void mla_decode_prewarm(int device) {
     if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
   for (int c = 0; c < kNumConfigs; ++c) {
-    for (const bool contig : {false, true}) {
-      with_config<__nv_bfloat16>(c, contig, set);
-      with_config<__half>(c, contig, set);
+    for (const int loader : {kLoadRows, kLoadContig, kLoadTma}) {
+      with_config<__nv_bfloat16>(c, loader, set);
+      with_config<__half>(c, loader, set);
     }
   }
+  for (int c = 0; c < kNumConfigs; ++c)
+    if (choose_loader(device, c, kTile) == kLoadTma) encode_tiled();
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__half>), "combine kernel");
@@ -661,10 +632,16 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   const int c = choose_config(device, p.heads);
   const int heads_per_cta = config_heads(c);
   const dim3 grid(p.num_splits, (p.heads + heads_per_cta - 1) / heads_per_cta, p.batch);
-  auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p); };
-  const bool contig = p.page_size % kTile == 0;
-  if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, contig, launch);
-  else with_config<__half>(c, contig, launch);
+  const int loader = choose_loader(device, c, p.page_size);
+  KvTensorMaps maps = {};
+  if (loader == kLoadTma) {
+    const int64_t rows = int64_t(p.num_pages) * p.page_size;
+    maps.ckv = tensor_map(p.ckv, rows, kMlaDimCkv, 64, CU_TENSOR_MAP_SWIZZLE_128B);
+    maps.kpe = tensor_map(p.kpe, rows, kMlaDimPe, kMlaDimPe / kWarps, CU_TENSOR_MAP_SWIZZLE_32B);
+  }
+  auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p, maps); };
+  if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, loader, launch);
+  else with_config<__half>(c, loader, launch);
   check(cudaGetLastError(), "kernel launch");
   if (p.num_splits > 1) {
     // Launched as a programmatic dependent of the decode kernel where the device has it

@@ -1,0 +1,216 @@
+// The KV side of the portable MLA decode kernel (mla_decode_portable.cu): the layout of a tile in
+// the shared-memory ring, the walk over a request's page table, and the two ways a warp fills its
+// part of a ring buffer: cp.async (every target) and, on sm_90 and newer for tiles that lie in one
+// page, the tensor-memory accelerator (TMA: three bulk copies a warp, completion on an mbarrier).
+//
+// Each of the kWarps warps owns a quarter of every KV row: latent dims [128 w, 128 w + 128) and
+// rope dims [16 w, 16 w + 16). It copies those columns itself and reads no others, so a tile's
+// arrival and the reuse of its buffer concern one warp only.
+#pragma once
+#include <cuda.h>  // CUtensorMap (the type only: no driver call is made from here)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mla/mla_params.h"
+
+namespace hmoe {
+namespace mla {
+
+constexpr int kWarps = 4;
+constexpr int kTile = 32;  // KV tokens per step (and per ring buffer)
+
+// A ring buffer holds a tile as 8 blocks of 64 latent columns (kTile rows of 128 B each) and then
+// the rope parts, grouped by the warp that owns them. That is the box layout the TMA writes with
+// its 128-byte (latent) and 32-byte (rope) swizzles, which kv_off and rope_off spell out; the
+// cp.async loader writes the same layout.
+constexpr int kBlockBytes = kTile * 128;                    // 64 latent columns of a tile
+constexpr int kLatentBytes = kMlaDimCkv / 64 * kBlockBytes;  // 32 KB
+constexpr int kRopeWarpBytes = kTile * 32;                  // one warp's 16 rope dims of a tile
+constexpr int kTileBytes = kLatentBytes + kWarps * kRopeWarpBytes;
+constexpr int kTileAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 B
+static_assert(kTileBytes % kTileAlign == 0, "ring buffers stay aligned to the swizzle");
+
+// Byte offset of 16-byte latent chunk `chunk` (0..63) of ring row `row`: inside each 128-byte row
+// of a block the chunks are XOR-swizzled by the row's low 3 bits, so an ldmatrix's 8 rows at one
+// logical chunk hit 8 distinct bank groups and a warp's copy of 2 rows x 16 chunks writes 4 whole
+// lines. Adding 8 to a chunk adds kBlockBytes; adding 8 rows adds 1024.
+__device__ __forceinline__ uint32_t kv_off(int row, int chunk) {
+  return (chunk >> 3) * kBlockBytes + row * 128 + (((chunk ^ row) & 7) << 4);
+}
+
+// Byte offset of rope chunk `chunk` (0 or 1) of warp `warp`'s 32 rope bytes of row `row`: a warp's
+// 32 B of every row lie together, so its copy of 16 rows writes 4 whole lines (in place in the
+// row they spanned 16); the chunk is swizzled by row bit 2, which keeps an ldmatrix's 8 rows
+// (256 B) on distinct bank groups. Adding 16 rows adds 512.
+__device__ __forceinline__ uint32_t rope_off(int warp, int row, int chunk) {
+  return kLatentBytes + warp * kRopeWarpBytes + row * 32 + ((chunk ^ (row >> 2)) & 1) * 16;
+}
+
+// 16-byte async copy; zero = true fills the destination with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool zero) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+      "l"(src), "r"(int(zero)));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// A walk over one token of each tile (lane l's token l, or the tile's first token when a tile lies
+// in one page): the token's page-table entry is read two tiles ahead and only turned into a cache
+// row (and checked) when the tile is issued, one iteration later, so the page-table latency stays
+// off the loop's critical path. Rows past the sequence or outside the cache are -1, zero-filled
+// (their scores are masked to -inf, but 0 * NaN from stale cache rows in P V would still poison
+// the output). The page index and offset advance by a tile per step, without division.
+struct TokenWalk {
+  const int* table;  // the request's page-table row
+  int len, page_size, num_pages;
+  int tok, pg, off;  // the token whose entry is read next, its page index and offset
+  int page, page_off, page_tok;  // the last entry read (raw; -1 past the sequence), its offset and token
+
+  __device__ __forceinline__ TokenWalk(const MlaDecodeParams& p, int b, int len_, int first)
+      : table(p.page_table + int64_t(b) * p.max_pages), len(len_), page_size(p.page_size),
+        num_pages(p.num_pages), tok(first), pg(first / p.page_size), off(first % p.page_size) {}
+
+  // Reads the entry of the current token, then moves to the same lane's token of the next tile.
+  __device__ __forceinline__ void read() {
+    page = tok < len ? table[pg] : -1;  // tok < len <= max_pages * page_size: pg is in the row
+    page_off = off;
+    page_tok = tok;
+    tok += kTile;
+    off += kTile;
+    while (off >= page_size) off -= page_size, ++pg;
+  }
+  // The cache row of the entry read last (the launcher checks that rows fit in an int32).
+  __device__ __forceinline__ int row() const {
+    return page >= 0 && page < num_pages ? page * page_size + page_off : -1;
+  }
+  // Tokens of the sequence from the entry's token on, at most a tile.
+  __device__ __forceinline__ int valid() const { return min(max(len - page_tok, 0), kTile); }
+};
+
+// The cp.async copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies:
+// lanes 0-15 take row 2i, lanes 16-31 row 2i + 1) and its 2 rope chunks (2 copies: lane l takes
+// row 16j + l / 2). The swizzles depend only on a row's low 3 bits, so the destinations are 4 + 1
+// per-lane constants plus immediates.
+struct KvLoader {
+  const char* ckv;
+  const char* kpe;
+  uint32_t dst[4];    // latent copy i: dst[i % 4] + 2i rows
+  uint32_t rope_dst;  // rope copy j: rope_dst + 512 j
+
+  __device__ __forceinline__ explicit KvLoader(const MlaDecodeParams& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    ckv = static_cast<const char*>(p.ckv) + warp * (2 * kMlaDimCkv / kWarps) + (lane & 15) * 16;
+    kpe = static_cast<const char*>(p.kpe) + warp * (2 * kMlaDimPe / kWarps) + (lane & 1) * 16;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) dst[u] = kv_off(2 * u + (lane >> 4), warp * 16 + (lane & 15)) - 2 * u * 128;
+    rope_dst = rope_off(warp, lane >> 1, lane & 1);
+  }
+
+  // Issues this warp's copies of the tile at shared address `buf`; lane l holds token l's row
+  // (TokenWalk::row), the others get it by shuffle.
+  __device__ __forceinline__ void tile(uint32_t buf, int my_row) const {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < kTile / 2; ++i) {
+      const int row = __shfl_sync(0xffffffffu, my_row, 2 * i + (lane >> 4));
+      const bool zero = row < 0;
+      cp_async16(buf + dst[i % 4] + 2 * i * 128, ckv + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimCkv), zero);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int row = __shfl_sync(0xffffffffu, my_row, 16 * j + (lane >> 1));
+      const bool zero = row < 0;
+      cp_async16(buf + rope_dst + 512 * j, kpe + uint64_t(zero ? 0u : uint32_t(row)) * (2 * kMlaDimPe), zero);
+    }
+  }
+
+  // The same for a tile that lies in one page (page size a multiple of the tile): its rows are
+  // consecutive in the cache from row0 (-1: none), so every source is one base plus an immediate.
+  // Rows from `valid` on are zero-filled.
+  __device__ __forceinline__ void tile_contig(uint32_t buf, int row0, int valid) const {
+    const int lane = threadIdx.x % 32;
+    if (row0 < 0) row0 = 0, valid = 0;
+    const char* c = ckv + (uint64_t(row0) + (lane >> 4)) * (2 * kMlaDimCkv);
+    const int vc = valid - (lane >> 4);
+#pragma unroll
+    for (int i = 0; i < kTile / 2; ++i)
+      cp_async16(buf + dst[i % 4] + 2 * i * 128, c + 2 * i * (2 * kMlaDimCkv), 2 * i >= vc);
+    const char* k = kpe + (uint64_t(row0) + (lane >> 1)) * (2 * kMlaDimPe);
+    const int vk = valid - (lane >> 1);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) cp_async16(buf + rope_dst + 512 * j, k + 16 * j * (2 * kMlaDimPe), 16 * j >= vk);
+  }
+};
+
+// The tensor maps of the TMA loader: the latent cache as a [rows, 512] and the rope cache as a
+// [rows, 64] matrix of 16-bit elements, boxes of 64 x kTile (128-byte swizzle) and 16 x kTile
+// (32-byte swizzle). Built on the host for each call (mla_decode_portable.cu).
+struct KvTensorMaps {
+  CUtensorMap ckv, kpe;
+};
+
+// One warp's part of a tile through the TMA (sm_90+; only instantiated there): one elected lane
+// announces the bytes on the warp's mbarrier for the buffer and issues a box per latent block
+// the warp owns and one for its rope dims; the box of a missing page starts kTile rows before the
+// tensor, which the TMA fills with zeros. Called by the whole (converged) warp with warp-uniform
+// arguments, so the operands sit in uniform registers (a lane-0 branch instead made the compiler
+// loop over lanes to build them).
+struct TmaLoader {
+  const CUtensorMap* ckv;
+  const CUtensorMap* kpe;
+
+  static constexpr uint32_t kWarpBytes = 2 * kBlockBytes + kRopeWarpBytes;
+
+  __device__ __forceinline__ static void init(uint32_t bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+
+  __device__ __forceinline__ void tile(uint32_t buf, uint32_t bar, int row0) const {
+    const int warp = threadIdx.x / 32;
+    const int y = row0 < 0 ? -kTile : row0;
+    const uint32_t dst = buf + 2 * warp * kBlockBytes;
+    asm volatile(
+        "{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+        "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3, {%4, %5}], [%0];\n"
+        "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%3, {%7, %5}], [%0];\n"
+        "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%8], [%9, {%10, %5}], [%0];\n"
+        "}\n" ::"r"(bar),
+        "r"(kWarpBytes), "r"(dst), "l"(reinterpret_cast<uint64_t>(ckv)), "r"(128 * warp), "r"(y), "r"(dst + kBlockBytes),
+        "r"(128 * warp + 64), "r"(buf + rope_off(warp, 0, 0)), "l"(reinterpret_cast<uint64_t>(kpe)), "r"(16 * warp)
+        : "memory");
+  }
+
+  // Waits (every lane) until the warp's bytes of the buffer behind `bar` have landed; `parity` is
+  // the buffer's use count mod 2.
+  __device__ __forceinline__ static void wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+  }
+};
+
+// Zeroes this warp's columns of ring rows [valid, kTile) of the buffer at `buf` (a tile the TMA
+// copied whole although the sequence ends inside it: the rows past the end hold whatever the
+// cache holds there, and 0 * NaN in P V would poison the output).
+__device__ __forceinline__ void zero_tail_rows(uint32_t buf, int valid) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kChunks = 2 * 8 + 2;  // per row: 2 latent blocks of 8 chunks, 2 rope chunks
+  for (int idx = valid * kChunks + lane; idx < kTile * kChunks; idx += 32) {
+    const int row = idx / kChunks, c = idx % kChunks;
+    const uint32_t dst = c < 16 ? buf + (2 * warp + c / 8) * kBlockBytes + row * 128 + (c % 8) * 16
+                                : buf + kLatentBytes + warp * kRopeWarpBytes + row * 32 + (c - 16) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
+  }
+}
+
+}  // namespace mla
+}  // namespace hmoe
