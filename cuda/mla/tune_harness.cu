@@ -9,6 +9,7 @@
 // HARNESS_SPLITS=n forces the split count, HARNESS_REPS=n the timed calls (25), HARNESS_PAGE=n
 // the page size (64; S must be a multiple),
 // HARNESS_WFLUSH=1 flushes L2 by writing instead (leaves dirty lines: see cuda/mla/NOTES.md).
+// HMOE_MLA_TMA=0 makes the kernel load with cp.async where it would use the TMA (sm_90+).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -70,11 +70,28 @@ def test_random_cases():
         run_and_check(B, H, lens, page, DTYPES[i % 2], seed=100 + i)
 
 
+@pytest.fixture(params=[None, "0"], ids=["default-loader", "cp.async"])
+def loader(request, monkeypatch):
+    """The KV loader: the default (the TMA on sm_90+ for CTAs of 32 heads and page sizes that are
+    multiples of 32), or HMOE_MLA_TMA=0: cp.async everywhere, what sm_80 and sm_89 run."""
+    if request.param is not None:
+        monkeypatch.setenv("HMOE_MLA_TMA", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
-def test_nan_in_unused_pages_and_bad_entries_do_not_leak():
+@pytest.mark.parametrize("page", [32, 64, 128])
+@pytest.mark.parametrize("H", [33, 128])
+def test_loaders_for_32_head_ctas(loader, page, H):
+    run_and_check(4, H, [1, 95, 600, 31], page, torch.float16, seed=page + H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_nan_in_unused_pages_and_bad_entries_do_not_leak(loader, H):
     # make_cache fills every unused slot with NaN and unused table entries with -7; a wild
     # page id in a used entry reads zeros instead of memory outside the cache.
-    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(3, 16, [5, 64, 70], 64, torch.bfloat16, "cuda", gen(5))
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(3, H, [5, 64, 70], 64, torch.bfloat16, "cuda", gen(5))
     out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
     assert torch.isfinite(out.float()).all()
     pt[2, 1] = 10**6
