@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   constexpr int kN8 = kTile / 8;                // n8 tiles of tokens in S
   constexpr int kDimsW = kMlaDimCkv / kWarps;  // latent dims of S and O per warp (128)
   constexpr int kPeW = kMlaDimPe / kWarps;     // rope dims of S per warp (16)
-  constexpr int kKS = (kDimsW + kPeW) / 16;    // k16 steps of S per warp (9: 8 latent, 1 rope)
+  constexpr int kLS = kDimsW / 16;             // latent k16 steps of S per warp (8; then 1 of rope)
   constexpr int kON8 = kDimsW / 8;
   static_assert(kPeW == 16, "one k16 step of rope per warp");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -168,10 +168,11 @@ __global__ void __launch_bounds__(32 * kWarps)
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // This warp's Q fragments (all heads x its 144 dims, zero rows past the last head) go straight
-  // from global memory into registers, in the mma A layout; loaded first, so that they are in
-  // flight with the chain that starts the first tile (sequence length, page-table entry, copies).
-  uint32_t qf[MT][kKS][4];
+  // This warp's Q fragments (all heads x its 128 latent and 16 rope dims, zero rows past the last
+  // head) go straight from global memory into registers, in the mma A layout; loaded first, so
+  // that they are in flight with the chain that starts the first tile (sequence length,
+  // page-table entry, copies).
+  uint32_t qf[MT][kLS][4], qr[MT][4];
   {
     const T* qn = static_cast<const T*>(p.q_nope);
     const T* qp = static_cast<const T*>(p.q_pe);
@@ -182,12 +183,14 @@ __global__ void __launch_bounds__(32 * kWarps)
         const int h = head0 + m * 16 + lane / 4 + hi * 8;
         const int64_t bh = int64_t(b) * p.heads + min(h, p.heads - 1);
 #pragma unroll
-        for (int ks = 0; ks < kKS; ++ks) {
-          const T* src = ks < kKS - 1 ? qn + bh * kMlaDimCkv + warp * kDimsW + ks * 16 + (lane % 4) * 2
-                                      : qp + bh * kMlaDimPe + warp * kPeW + (lane % 4) * 2;
+        for (int ks = 0; ks < kLS; ++ks) {
+          const T* src = qn + bh * kMlaDimCkv + warp * kDimsW + ks * 16 + (lane % 4) * 2;
           qf[m][ks][hi] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src) : 0u;
           qf[m][ks][hi + 2] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src + 8) : 0u;
         }
+        const T* src = qp + bh * kMlaDimPe + warp * kPeW + (lane % 4) * 2;
+        qr[m][hi] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src) : 0u;
+        qr[m][hi + 2] = h < p.heads ? *reinterpret_cast<const uint32_t*>(src + 8) : 0u;
       }
   }
 
@@ -275,13 +278,22 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) s[m][jj][0] = s[m][jj][1] = s[m][jj][2] = s[m][jj][3] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < kKS; ++ks) {
+      for (int ks = 0; ks < kLS; ++ks) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, buf + (ks < kKS - 1 ? (j / 2) * 16 * 128 + k_off[ks % 4] + kBlockBytes * (ks / 4) : (j / 2) * 512 + k_rope));
+        ldmatrix_x4(bk, buf + (j / 2) * 16 * 128 + k_off[ks % 4] + kBlockBytes * (ks / 4));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma16816<T>(s[m][0], qf[m][ks], bk);
           mma16816<T>(s[m][1], qf[m][ks], bk + 2);
+        }
+      }
+      {  // the rope step
+        uint32_t bk[4];
+        ldmatrix_x4(bk, buf + (j / 2) * 512 + k_rope);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma16816<T>(s[m][0], qr[m], bk);
+          mma16816<T>(s[m][1], qr[m], bk + 2);
         }
       }
 #pragma unroll
