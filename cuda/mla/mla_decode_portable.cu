@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   auto issue = [&](int stage) {
     const uint32_t buf = kv_s + stage * kTileBytes;
     if constexpr (kTma) {
-      tma.tile(buf, bar0 + 8 * stage, walk.row());
+      tma.tile(buf, bar0 + 8 * stage, walk.uniform_row());
     } else if constexpr (LOADER != kLoadRows) {
       loader.tile_contig(buf, walk.row(), walk.valid());
     } else {
