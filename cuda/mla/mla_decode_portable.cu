@@ -443,7 +443,10 @@ __global__ void __launch_bounds__(32 * kWarps)
 // every rows-th split, each thread 4 columns with independent loads (an empty split has w = 0 and
 // a zero partial), and the rows' sums meet in shared memory: with 64 splits a single row kept too
 // few loads in flight, with 2 or 4 more rows only cost time (cuda/mla/NOTES.md).
+// With at most kFewSplits splits (mla_combine_few_kernel) each thread weighs them itself: the lse
+// and O loads go out together, one round trip instead of two with barriers between them.
 constexpr int kCombineRows = 4;
+constexpr int kFewSplits = 8;
 template <typename T>
 __global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const MlaDecodeParams p) {
   static_assert(kMaxSplits <= 64, "the weights come from two warps");
@@ -493,6 +496,44 @@ __global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const M
   *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc.x * inv, acc.y * inv);
   *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc.z * inv, acc.w * inv);
   if (p.lse != nullptr && tid == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
+}
+
+// The same for num_splits <= kFewSplits: rows of 128 threads, one (request, head) each, every
+// thread 4 columns of it and all of its splits' weights.
+template <typename T>
+__global__ void __launch_bounds__(128 * kCombineRows) mla_combine_few_kernel(const MlaDecodeParams p) {
+  const int64_t stride = int64_t(p.batch) * p.heads;
+  const int64_t bh = int64_t(blockIdx.x) * (blockDim.x / 128) + threadIdx.x / 128;
+  const int c = threadIdx.x % 128;
+  wait_for_grid_dependencies();  // the partials of the decode kernel launched before
+  if (bh >= stride) return;
+  float lse[kFewSplits];
+  float4 v[kFewSplits];
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s) {
+    if (s >= p.num_splits) break;
+    lse[s] = p.partial_lse[s * stride + bh];
+    v[s] = *reinterpret_cast<const float4*>(p.partial_o + (s * stride + bh) * kMlaDimCkv + c * 4);
+  }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s)
+    if (s < p.num_splits) mx = fmaxf(mx, lse[s]);
+  const float m_use = mx == -INFINITY ? 0.f : mx;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float wsum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kFewSplits; ++s) {
+    if (s >= p.num_splits) break;
+    const float w = exp2f(lse[s] - m_use);  // an empty split: lse -inf, w 0, its partial 0
+    wsum += w;
+    acc.x += w * v[s].x, acc.y += w * v[s].y, acc.z += w * v[s].z, acc.w += w * v[s].w;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + c * 4;
+  *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc.z * inv, acc.w * inv);
+  if (p.lse != nullptr && c == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
 }
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "mla_decode", what); }
@@ -638,6 +679,8 @@ void mla_decode_prewarm(int device) {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
   check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__half>), "combine kernel");
+  check(cudaFuncGetAttributes(&attr, mla_combine_few_kernel<__nv_bfloat16>), "combine kernel");
+  check(cudaFuncGetAttributes(&attr, mla_combine_few_kernel<__half>), "combine kernel");
 }
 
 void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_handle) {
@@ -667,13 +710,17 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p.batch * p.heads);
-    cfg.blockDim = dim3(128 * std::clamp(p.num_splits / 8, 1, kCombineRows));  // rows of >= 8 splits
+    const int heads = p.batch * p.heads;
+    const bool few = p.num_splits <= kFewSplits;
+    cfg.gridDim = dim3(few ? (heads + kCombineRows - 1) / kCombineRows : heads);
+    cfg.blockDim = dim3(128 * (few ? kCombineRows : std::clamp(p.num_splits / 8, 1, kCombineRows)));  // rows of >= 8 splits
     cfg.stream = stream;
     cfg.attrs = &attr;
     cfg.numAttrs = device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9 ? 1 : 0;
-    if (p.dtype == kBF16) check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__nv_bfloat16>, p), "combine launch");
-    else check(cudaLaunchKernelEx(&cfg, mla_combine_kernel<__half>, p), "combine launch");
+    const bool bf16 = p.dtype == kBF16;
+    const auto kernel = few ? (bf16 ? mla_combine_few_kernel<__nv_bfloat16> : mla_combine_few_kernel<__half>)
+                            : (bf16 ? mla_combine_kernel<__nv_bfloat16> : mla_combine_kernel<__half>);
+    check(cudaLaunchKernelEx(&cfg, kernel, p), "combine launch");
   }
 }
 
