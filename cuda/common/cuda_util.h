@@ -1,6 +1,10 @@
 // Host and device helpers shared by the CUDA kernels of cuda_ops.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include <stdexcept>
 #include <string>
@@ -34,6 +38,22 @@ class DeviceGuard {
 };
 
 #ifdef __CUDACC__
+// Two floats as a pair of T (__nv_bfloat16 or __half, round to nearest) in one 32-bit word, the
+// first in the low half: how kernels store 16-bit outputs two at a time.
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  T lo = from_float<T>(a), hi = from_float<T>(b);
+  return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+}
+
+
 // Butterfly reductions over the lanes `width` apart at most (width a power of two <= 32): every
 // lane of a group of `width` ends with the group's result.
 template <int width = 32>

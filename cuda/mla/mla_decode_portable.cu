@@ -5,8 +5,8 @@
 // through a ring of 2 tiles (the next tile is in flight while one is in use). Every warp covers
 // all of the CTA's heads, so each shared-memory operand it loads feeds MT mma, and owns a quarter
 // of every KV row: latent dims [128 w, 128 w + 128) and rope dims [16 w, 16 w + 16). It copies
-// those columns itself (cp.async, or on sm_90+ the TMA when a tile lies in one page: see
-// mla_kv_ring.cuh) and reads no others, so a tile's arrival and the reuse of its buffer concern
+// those columns itself (cp.async, or on sm_90+ with 32 heads a CTA the TMA when a tile lies in
+// one page: see mla_kv_ring.cuh and choose_loader) and reads no others, so a tile's arrival and the reuse of its buffer concern
 // one warp only: two CTA barriers per tile. Per tile:
 //   S = Q K^T   each warp its 144 dims (its Q fragments stay in registers) x all tokens; the 4
 //               partial sums meet in shared memory
@@ -24,6 +24,7 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.h"
+#include "mla/mla_combine.h"
 #include "mla/mla_decode.h"
 #include "mla/mla_kv_ring.cuh"
 
@@ -37,7 +38,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
 
-constexpr int kMaxSplits = 64;  // <= the two warps that weigh the splits in the combine kernel
 constexpr int kStages = 2;   // ring buffers
 
 // How a CTA fills its ring: cp.async per lane-held row (any page size), cp.async from one base
@@ -97,13 +97,6 @@ HMOE_MMA16816(__nv_bfloat16, "bf16")
 HMOE_MMA16816(__half, "f16")
 #undef HMOE_MMA16816
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
 // 2^x on the SFU, subnormal results flushed to zero (exp2f adds a rescale for them: 3 more
 // instructions a call). The softmax's p are at most 2^kLazy and the sum they feed holds a 1 for
 // the running max, so a p below 2^-126 is noise however it rounds.
@@ -113,23 +106,11 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  T lo = from_float<T>(a), hi = from_float<T>(b);
-  return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
-}
-
-// Programmatic dependent launch (sm_90+; no-ops before): the decode kernel lets the combine
-// kernel launch while its CTAs finish, and the combine kernel waits for the decode grid to
-// complete (its writes visible) before reading the partials.
+// Programmatic dependent launch (sm_90+; a no-op before): the decode kernel lets the combine
+// kernel (mla_combine.cu) launch while its CTAs finish.
 __device__ __forceinline__ void grid_dependents_may_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_grid_dependencies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 
@@ -437,105 +418,6 @@ __global__ void __launch_bounds__(32 * kWarps)
     }
 }
 
-// Merges the splits of one (request, head): out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - max).
-// The weights are computed once per block (thread s of the first two warps takes split s). The
-// block's rows of 128 threads (blockDim.x / 128: one per 8 splits, at most kCombineRows) take
-// every rows-th split, each thread 4 columns with independent loads (an empty split has w = 0 and
-// a zero partial), and the rows' sums meet in shared memory: with 64 splits a single row kept too
-// few loads in flight, with 2 or 4 more rows only cost time (cuda/mla/NOTES.md).
-// With at most kFewSplits splits (mla_combine_few_kernel) each thread weighs them itself: the lse
-// and O loads go out together, one round trip instead of two with barriers between them.
-constexpr int kCombineRows = 4;
-constexpr int kFewSplits = 8;
-template <typename T>
-__global__ void __launch_bounds__(128 * kCombineRows) mla_combine_kernel(const MlaDecodeParams p) {
-  static_assert(kMaxSplits <= 64, "the weights come from two warps");
-  __shared__ float w_s[kMaxSplits];
-  __shared__ float red[2][2];
-  __shared__ float4 acc_s[kCombineRows - 1][kMlaDimCkv / 4];
-  const int64_t bh = blockIdx.x;
-  const int64_t stride = int64_t(p.batch) * p.heads;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int rows = blockDim.x / 128, row = tid / 128, c = tid % 128;
-  wait_for_grid_dependencies();  // the partials of the decode kernel launched before
-  const float lse = tid < p.num_splits ? p.partial_lse[tid * stride + bh] : -INFINITY;
-  if (warp < 2) {
-    float mx = lse;
-    mx = warp_max(mx);
-    if (lane == 0) red[0][warp] = mx;
-  }
-  __syncthreads();
-  const float mx = fmaxf(red[0][0], red[0][1]);
-  const float m_use = mx == -INFINITY ? 0.f : mx;
-  if (warp < 2) {
-    const float w = tid < p.num_splits ? exp2f(lse - m_use) : 0.f;
-    if (tid < p.num_splits) w_s[tid] = w;
-    float wsum = w;
-    wsum = warp_sum(wsum);
-    if (lane == 0) red[1][warp] = wsum;
-  }
-  __syncthreads();
-  const float wsum = red[1][0] + red[1][1];
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float* po = p.partial_o + bh * kMlaDimCkv + c * 4;
-#pragma unroll 4
-  for (int s = row; s < p.num_splits; s += rows) {
-    const float ws = w_s[s];
-    const float4 v = *reinterpret_cast<const float4*>(po + s * stride * kMlaDimCkv);
-    acc.x += ws * v.x, acc.y += ws * v.y, acc.z += ws * v.z, acc.w += ws * v.w;
-  }
-  if (row > 0) acc_s[row - 1][c] = acc;
-  __syncthreads();
-  if (row > 0) return;
-  for (int r = 1; r < rows; ++r) {
-    const float4 v = acc_s[r - 1][c];
-    acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
-  }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + c * 4;
-  *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc.z * inv, acc.w * inv);
-  if (p.lse != nullptr && tid == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
-}
-
-// The same for num_splits <= kFewSplits: rows of 128 threads, one (request, head) each, every
-// thread 4 columns of it and all of its splits' weights.
-template <typename T>
-__global__ void __launch_bounds__(128 * kCombineRows) mla_combine_few_kernel(const MlaDecodeParams p) {
-  const int64_t stride = int64_t(p.batch) * p.heads;
-  const int64_t bh = int64_t(blockIdx.x) * (blockDim.x / 128) + threadIdx.x / 128;
-  const int c = threadIdx.x % 128;
-  wait_for_grid_dependencies();  // the partials of the decode kernel launched before
-  if (bh >= stride) return;
-  float lse[kFewSplits];
-  float4 v[kFewSplits];
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) {
-    if (s >= p.num_splits) break;
-    lse[s] = p.partial_lse[s * stride + bh];
-    v[s] = *reinterpret_cast<const float4*>(p.partial_o + (s * stride + bh) * kMlaDimCkv + c * 4);
-  }
-  float mx = -INFINITY;
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s)
-    if (s < p.num_splits) mx = fmaxf(mx, lse[s]);
-  const float m_use = mx == -INFINITY ? 0.f : mx;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
-#pragma unroll
-  for (int s = 0; s < kFewSplits; ++s) {
-    if (s >= p.num_splits) break;
-    const float w = exp2f(lse[s] - m_use);  // an empty split: lse -inf, w 0, its partial 0
-    wsum += w;
-    acc.x += w * v[s].x, acc.y += w * v[s].y, acc.z += w * v[s].z, acc.w += w * v[s].w;
-  }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + c * 4;
-  *reinterpret_cast<uint32_t*>(out) = pack2<T>(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<uint32_t*>(out + 2) = pack2<T>(acc.z * inv, acc.w * inv);
-  if (p.lse != nullptr && c == 0) p.lse[bh] = wsum > 0.f ? (m_use + log2f(wsum)) * kLn2 : -INFINITY;
-}
-
 void check(cudaError_t e, const char* what) { check_cuda(e, "mla_decode", what); }
 
 int device_attr(int device, cudaDeviceAttr attr) {
@@ -652,7 +534,7 @@ int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int p
   const int ctas = batch * ((heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta);
   const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
   const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
-  const int max_splits = std::max(1, std::min(kMaxSplits, max_tiles / 2));
+  const int max_splits = std::max(1, std::min(kMlaMaxSplits, max_tiles / 2));
   // As many splits as one wave of CTAs holds (a grid that already fills the slots is not split),
   // then the fewest splits with the same tiles per CTA: every split costs a partial write and its
   // share of the combine pass. (1 x 32768 x 128: 64 splits of 16 tiles ran 54.0 us where the
@@ -676,11 +558,7 @@ void mla_decode_prewarm(int device) {
   }
   for (int c = 0; c < kNumConfigs; ++c)
     if (choose_loader(device, c, kTile) == kLoadTma) encode_tiled();
-  cudaFuncAttributes attr;
-  check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__nv_bfloat16>), "combine kernel");
-  check(cudaFuncGetAttributes(&attr, mla_combine_kernel<__half>), "combine kernel");
-  check(cudaFuncGetAttributes(&attr, mla_combine_few_kernel<__nv_bfloat16>), "combine kernel");
-  check(cudaFuncGetAttributes(&attr, mla_combine_few_kernel<__half>), "combine kernel");
+  mla_combine_prewarm();
 }
 
 void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_handle) {
@@ -703,25 +581,7 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, loader, launch);
   else with_config<__half>(c, loader, launch);
   check(cudaGetLastError(), "kernel launch");
-  if (p.num_splits > 1) {
-    // Launched as a programmatic dependent of the decode kernel where the device has it
-    // (sm_90+), so its launch overlaps the decode kernel's last CTAs; it waits in the kernel.
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    const int heads = p.batch * p.heads;
-    const bool few = p.num_splits <= kFewSplits;
-    cfg.gridDim = dim3(few ? (heads + kCombineRows - 1) / kCombineRows : heads);
-    cfg.blockDim = dim3(128 * (few ? kCombineRows : std::clamp(p.num_splits / 8, 1, kCombineRows)));  // rows of >= 8 splits
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9 ? 1 : 0;
-    const bool bf16 = p.dtype == kBF16;
-    const auto kernel = few ? (bf16 ? mla_combine_few_kernel<__nv_bfloat16> : mla_combine_few_kernel<__half>)
-                            : (bf16 ? mla_combine_kernel<__nv_bfloat16> : mla_combine_kernel<__half>);
-    check(cudaLaunchKernelEx(&cfg, kernel, p), "combine launch");
-  }
+  if (p.num_splits > 1) mla_combine(p, device, stream);
 }
 
 }  // namespace hmoe

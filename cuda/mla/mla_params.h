@@ -6,6 +6,7 @@ namespace hmoe {
 
 constexpr int kMlaDimCkv = 512;  // latent (the value and the "nope" part of the key)
 constexpr int kMlaDimPe = 64;    // rope part of the key
+constexpr int kMlaMaxSplits = 64;  // KV splits at most (the combine kernel weighs them with two warps)
 
 struct MlaDecodeParams {
   const void* q_nope;         // [B, H, 512], dtype

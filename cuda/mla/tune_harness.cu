@@ -3,7 +3,7 @@
 // 256 MiB before each call) and checks the first two requests against a naive fp32 kernel.
 // It needs no Python or wheel build, so kernel variants can be compiled anywhere and carried:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -Icpp -Icuda \
-//     cuda/mla/tune_harness.cu cuda/mla/mla_decode_portable.cu -o mla_tune
+//     cuda/mla/tune_harness.cu cuda/mla/mla_decode_portable.cu cuda/mla/mla_combine.cu -o mla_tune
 //   ./mla_tune [CONFIGS [SHAPES]]   e.g. ./mla_tune auto,0,1 64x4096x16,64x4096x128
 // CONFIGS: "auto" or indices into kConfigs (set as HMOE_MLA_CONFIG). Environment:
 // HARNESS_SPLITS=n forces the split count, HARNESS_REPS=n the timed calls (25), HARNESS_PAGE=n

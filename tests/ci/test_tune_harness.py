@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "cuda" / "mla" / "tune_harness.cu"
+KERNEL_SOURCES = ("mla_decode_portable.cu", "mla_combine.cu")
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 if not SRC.exists() or not (ROOT / "cpp").is_dir():
     pytest.skip(f"{ROOT} has no cuda/ and cpp/ sources (copy them next to tests/)", allow_module_level=True)
@@ -23,7 +24,7 @@ if NVCC is None:
 def harness(tmp_path_factory):
     exe = tmp_path_factory.mktemp("tune") / "mla_tune"
     cmd = [NVCC, "-O3", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", f"-I{ROOT / 'cpp'}",
-           f"-I{ROOT / 'cuda'}", str(SRC), str(ROOT / "cuda" / "mla" / "mla_decode_portable.cu"), "-o", str(exe)]
+           f"-I{ROOT / 'cuda'}", str(SRC), *(str(ROOT / "cuda" / "mla" / f) for f in KERNEL_SOURCES), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return exe

@@ -1,0 +1,17 @@
+// The combine step of the portable MLA decode (mla_decode_portable.cu): merges the fp32 partials
+// of a call's KV splits into the output.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "mla/mla_params.h"
+
+namespace hmoe {
+
+// Launches the merge of p.num_splits (> 1) partials on `stream`, as a programmatic dependent of
+// the decode kernel launched just before where the device has it (sm_90+). Throws on a CUDA error.
+void mla_combine(const MlaDecodeParams& p, int device, cudaStream_t stream);
+
+// Loads the combine kernels (lazy work that must not happen inside CUDA-graph capture).
+void mla_combine_prewarm();
+
+}  // namespace hmoe
