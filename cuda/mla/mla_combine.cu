@@ -123,12 +123,10 @@ __global__ void __launch_bounds__(128 * kCombineRows) mla_combine_few_kernel(con
 
 }  // namespace
 
-void mla_combine(const MlaDecodeParams& p, int device, cudaStream_t stream) {
+void mla_combine(const MlaDecodeParams& p, cudaStream_t stream, bool programmatic) {
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
-  int major = 0;
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "mla_decode", "device attribute");
   cudaLaunchConfig_t cfg = {};
   const int heads = p.batch * p.heads;
   const bool few = p.num_splits <= kFewSplits;
@@ -136,7 +134,7 @@ void mla_combine(const MlaDecodeParams& p, int device, cudaStream_t stream) {
   cfg.blockDim = dim3(128 * (few ? kCombineRows : std::clamp(p.num_splits / 8, 1, kCombineRows)));  // rows of >= 8 splits
   cfg.stream = stream;
   cfg.attrs = &attr;
-  cfg.numAttrs = major >= 9 ? 1 : 0;
+  cfg.numAttrs = programmatic ? 1 : 0;
   const bool bf16 = p.dtype == kBF16;
   const auto kernel = few ? (bf16 ? mla_combine_few_kernel<__nv_bfloat16> : mla_combine_few_kernel<__half>)
                           : (bf16 ? mla_combine_kernel<__nv_bfloat16> : mla_combine_kernel<__half>);

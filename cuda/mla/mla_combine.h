@@ -7,9 +7,9 @@
 
 namespace hmoe {
 
-// Launches the merge of p.num_splits (> 1) partials on `stream`, as a programmatic dependent of
-// the decode kernel launched just before where the device has it (sm_90+). Throws on a CUDA error.
-void mla_combine(const MlaDecodeParams& p, int device, cudaStream_t stream);
+// Launches the merge of p.num_splits (> 1) partials on `stream`; `programmatic` (sm_90+): as a
+// programmatic dependent of the decode kernel launched just before. Throws on a CUDA error.
+void mla_combine(const MlaDecodeParams& p, cudaStream_t stream, bool programmatic);
 
 // Loads the combine kernels (lazy work that must not happen inside CUDA-graph capture).
 void mla_combine_prewarm();

@@ -18,9 +18,9 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <type_traits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_util.h"
 #include "common/dtype.h"
@@ -128,9 +128,9 @@ __global__ void __launch_bounds__(32 * kWarps)
   constexpr int NT = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
   constexpr int kN8 = kTile / 8;                // n8 tiles of tokens in S
-  constexpr int kDimsW = kMlaDimCkv / kWarps;  // latent dims of S and O per warp (128)
-  constexpr int kPeW = kMlaDimPe / kWarps;     // rope dims of S per warp (16)
-  constexpr int kLS = kDimsW / 16;             // latent k16 steps of S per warp (8; then 1 of rope)
+  constexpr int kDimsW = kWarpLatent;  // latent dims of S and O per warp (128)
+  constexpr int kPeW = kWarpRope;      // rope dims of S per warp (16)
+  constexpr int kLS = kDimsW / 16;     // latent k16 steps of S per warp (8; then 1 of rope)
   constexpr int kON8 = kDimsW / 8;
   static_assert(kPeW == 16, "one k16 step of rope per warp");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -196,6 +196,14 @@ __global__ void __launch_bounds__(32 * kWarps)
       loader.tile(buf, walk.row());
     }
   };
+  // Tile t + 1 into the buffer of tile t - 1 (which this warp, its only reader, has finished),
+  // then the page-table entry of tile t + 2, used at the next step.
+  auto prefetch = [&](int t, int i) {
+    if (t + 1 < t1) {
+      issue((i + 1) % kStages);
+      if (t + 2 < t1) walk.read();
+    }
+  };
   if constexpr (kTma) {
     if (lane == 0)
       for (int st = 0; st < kStages; ++st) TmaLoader::init(bar0 + 8 * st);
@@ -230,11 +238,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 
   for (int t = t0; t < t1; ++t) {
     const int i = t - t0;
-    // Tile t + 1 into the buffer of tile t - 1, which this warp (its only reader) has finished.
-    if (!kTma && t + 1 < t1) {
-      issue((i + 1) % kStages);
-      if (t + 2 < t1) walk.read();  // tile t + 2, used at the next step
-    }
+    if constexpr (!kTma) prefetch(t, i);
     const uint32_t buf = kv_s + (i % kStages) * kTileBytes;
     if constexpr (kTma) {
       TmaLoader::wait(bar0 + 8 * (i % kStages), (i / kStages) & 1);
@@ -288,12 +292,9 @@ __global__ void __launch_bounds__(32 * kWarps)
         }
       }
     }
-    // The TMA's tile t + 1 is issued here instead (cp.async: at the top, where its commit groups
-    // are counted), where the warp would wait for the others anyway (32x2048x128: 76.0 -> 74.5 us).
-    if (kTma && t + 1 < t1) {
-      issue((i + 1) % kStages);
-      if (t + 2 < t1) walk.read();  // tile t + 2, used at the next step
-    }
+    // The TMA's prefetch goes here instead (cp.async: at the top, where its commit groups are
+    // counted), where the warp would wait for the others anyway (32x2048x128: 76.0 -> 74.5 us).
+    if constexpr (kTma) prefetch(t, i);
     __syncthreads();
 
     // Online softmax, kTpr threads per head, kCpt score columns each (thread sq of a head takes
@@ -488,11 +489,12 @@ CUtensorMap tensor_map(const void* base, int64_t rows, int cols, int box_cols, C
 // The loader for this call: the TMA on sm_90+ when tiles lie in one page and a CTA has 32 heads
 // (with 16 heads, memory-bound, cp.async ran 1% faster: cuda/mla/NOTES.md), unless
 // HMOE_MLA_TMA=0 (a tuning and diagnostic knob: cp.async everywhere).
-int choose_loader(int device, int config, int page_size) {
+// cc_major: the device's compute capability major.
+int choose_loader(int cc_major, int config, int page_size) {
   if (page_size % kTile != 0) return kLoadRows;
   const char* env = std::getenv("HMOE_MLA_TMA");
   const bool tma_off = env != nullptr && std::string(env) == "0";
-  const bool tma = device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9 && kConfigs[config][0] == 2;
+  const bool tma = cc_major >= 9 && kConfigs[config][0] == 2;
   return tma && !tma_off ? kLoadTma : kLoadContig;
 }
 
@@ -556,8 +558,9 @@ void mla_decode_prewarm(int device) {
       with_config<__half>(c, loader, set);
     }
   }
+  const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
   for (int c = 0; c < kNumConfigs; ++c)
-    if (choose_loader(device, c, kTile) == kLoadTma) encode_tiled();
+    if (choose_loader(cc_major, c, kTile) == kLoadTma) encode_tiled();
   mla_combine_prewarm();
 }
 
@@ -570,18 +573,19 @@ void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_
   const int c = choose_config(device, p.heads);
   const int heads_per_cta = config_heads(c);
   const dim3 grid(p.num_splits, (p.heads + heads_per_cta - 1) / heads_per_cta, p.batch);
-  const int loader = choose_loader(device, c, p.page_size);
+  const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
+  const int loader = choose_loader(cc_major, c, p.page_size);
   KvTensorMaps maps = {};
   if (loader == kLoadTma) {
     const int64_t rows = int64_t(p.num_pages) * p.page_size;
-    maps.ckv = tensor_map(p.ckv, rows, kMlaDimCkv, 64, CU_TENSOR_MAP_SWIZZLE_128B);
-    maps.kpe = tensor_map(p.kpe, rows, kMlaDimPe, kMlaDimPe / kWarps, CU_TENSOR_MAP_SWIZZLE_32B);
+    maps.ckv = tensor_map(p.ckv, rows, kMlaDimCkv, kBlockCols, CU_TENSOR_MAP_SWIZZLE_128B);
+    maps.kpe = tensor_map(p.kpe, rows, kMlaDimPe, kWarpRope, CU_TENSOR_MAP_SWIZZLE_32B);
   }
   auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p, maps); };
   if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, loader, launch);
   else with_config<__half>(c, loader, launch);
   check(cudaGetLastError(), "kernel launch");
-  if (p.num_splits > 1) mla_combine(p, device, stream);
+  if (p.num_splits > 1) mla_combine(p, stream, cc_major >= 9);
 }
 
 }  // namespace hmoe

@@ -19,14 +19,18 @@ namespace mla {
 
 constexpr int kWarps = 4;
 constexpr int kTile = 32;  // KV tokens per step (and per ring buffer)
+constexpr int kWarpLatent = kMlaDimCkv / kWarps;  // latent dims a warp owns (128)
+constexpr int kWarpRope = kMlaDimPe / kWarps;     // rope dims a warp owns (16)
+constexpr int kBlockCols = 64;                    // latent columns of a ring block (128 bytes)
 
 // A ring buffer holds a tile as 8 blocks of 64 latent columns (kTile rows of 128 B each) and then
 // the rope parts, grouped by the warp that owns them. That is the box layout the TMA writes with
 // its 128-byte (latent) and 32-byte (rope) swizzles, which kv_off and rope_off spell out; the
 // cp.async loader writes the same layout.
-constexpr int kBlockBytes = kTile * 128;                    // 64 latent columns of a tile
-constexpr int kLatentBytes = kMlaDimCkv / 64 * kBlockBytes;  // 32 KB
-constexpr int kRopeWarpBytes = kTile * 32;                  // one warp's 16 rope dims of a tile
+constexpr int kBlockBytes = kTile * kBlockCols * 2;                  // a block of a tile
+constexpr int kLatentBytes = kMlaDimCkv / kBlockCols * kBlockBytes;  // 32 KB
+constexpr int kWarpBlocks = kWarpLatent / kBlockCols;                // latent blocks a warp owns (2)
+constexpr int kRopeWarpBytes = kTile * kWarpRope * 2;                // one warp's rope dims of a tile
 constexpr int kTileBytes = kLatentBytes + kWarps * kRopeWarpBytes;
 constexpr int kTileAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 B
 static_assert(kTileBytes % kTileAlign == 0, "ring buffers stay aligned to the swizzle");
@@ -110,8 +114,8 @@ struct KvLoader {
 
   __device__ __forceinline__ explicit KvLoader(const MlaDecodeParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    ckv = static_cast<const char*>(p.ckv) + warp * (2 * kMlaDimCkv / kWarps) + (lane & 15) * 16;
-    kpe = static_cast<const char*>(p.kpe) + warp * (2 * kMlaDimPe / kWarps) + (lane & 1) * 16;
+    ckv = static_cast<const char*>(p.ckv) + warp * (2 * kWarpLatent) + (lane & 15) * 16;
+    kpe = static_cast<const char*>(p.kpe) + warp * (2 * kWarpRope) + (lane & 1) * 16;
 #pragma unroll
     for (int u = 0; u < 4; ++u) dst[u] = kv_off(2 * u + (lane >> 4), warp * 16 + (lane & 15)) - 2 * u * 128;
     rope_dst = rope_off(warp, lane >> 1, lane & 1);
@@ -170,7 +174,8 @@ struct TmaLoader {
   const CUtensorMap* ckv;
   const CUtensorMap* kpe;
 
-  static constexpr uint32_t kWarpBytes = 2 * kBlockBytes + kRopeWarpBytes;
+  static constexpr uint32_t kWarpBytes = kWarpBlocks * kBlockBytes + kRopeWarpBytes;
+  static_assert(kWarpBlocks == 2, "tile() issues two latent boxes a warp");
 
   __device__ __forceinline__ static void init(uint32_t bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
@@ -181,7 +186,7 @@ struct TmaLoader {
   __device__ __forceinline__ void tile(uint32_t buf, uint32_t bar, int row0) const {
     const int warp = threadIdx.x / 32;
     const int y = row0 < 0 ? -kTile : row0;
-    const uint32_t dst = buf + 2 * warp * kBlockBytes;
+    const uint32_t dst = buf + kWarpBlocks * warp * kBlockBytes;
     asm volatile(
         "{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n"
         "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
@@ -189,8 +194,9 @@ struct TmaLoader {
         "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%6], [%3, {%7, %5}], [%0];\n"
         "@p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%8], [%9, {%10, %5}], [%0];\n"
         "}\n" ::"r"(bar),
-        "r"(kWarpBytes), "r"(dst), "l"(reinterpret_cast<uint64_t>(ckv)), "r"(128 * warp), "r"(y), "r"(dst + kBlockBytes),
-        "r"(128 * warp + 64), "r"(buf + rope_off(warp, 0, 0)), "l"(reinterpret_cast<uint64_t>(kpe)), "r"(16 * warp)
+        "r"(kWarpBytes), "r"(dst), "l"(reinterpret_cast<uint64_t>(ckv)), "r"(kWarpLatent * warp), "r"(y),
+        "r"(dst + kBlockBytes), "r"(kWarpLatent * warp + kBlockCols), "r"(buf + rope_off(warp, 0, 0)),
+        "l"(reinterpret_cast<uint64_t>(kpe)), "r"(kWarpRope * warp)
         : "memory");
   }
 
@@ -211,11 +217,11 @@ struct TmaLoader {
 // cache holds there, and 0 * NaN in P V would poison the output).
 __device__ __forceinline__ void zero_tail_rows(uint32_t buf, int valid) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int kChunks = 2 * 8 + 2;  // per row: 2 latent blocks of 8 chunks, 2 rope chunks
+  constexpr int kLat = kWarpLatent / 8, kChunks = kLat + kWarpRope / 8;  // 16-byte chunks of a row
   for (int idx = valid * kChunks + lane; idx < kTile * kChunks; idx += 32) {
     const int row = idx / kChunks, c = idx % kChunks;
-    const uint32_t dst = c < 16 ? buf + (2 * warp + c / 8) * kBlockBytes + row * 128 + (c % 8) * 16
-                                : buf + kLatentBytes + warp * kRopeWarpBytes + row * 32 + (c - 16) * 16;
+    const uint32_t dst = c < kLat ? buf + (kWarpBlocks * warp + c / 8) * kBlockBytes + row * 128 + (c % 8) * 16
+                                  : buf + kLatentBytes + warp * kRopeWarpBytes + row * kWarpRope * 2 + (c - kLat) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
   }
 }
