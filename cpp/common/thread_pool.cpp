@@ -1,11 +1,14 @@
 // ThreadPool: dynamic task hand-out over persistent workers; see thread_pool.h.
 #include "common/thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <stdexcept>
+#include <string>
+#include <system_error>
 
 namespace hmoe {
 namespace {
@@ -32,11 +35,27 @@ void spin_until(Done done) {
   }
 }
 
+// The process's pool. It is never destroyed: at exit its workers sleep on a condition variable
+// and die with the process (joining them from a static destructor would race with interpreter
+// shutdown), and after fork() the child only forgets it (see instance()).
+std::atomic<ThreadPool*> g_pool{nullptr};
+
+// Runs in the child after fork(), where only the forking thread exists: no locks can be taken
+// (a parent thread may have held them), so the parent's pool is simply leaked.
+void forget_pool_in_child() { g_pool.store(nullptr, std::memory_order_relaxed); }
+
 }  // namespace
 
 ThreadPool& ThreadPool::instance() {
-  static ThreadPool pool;
-  return pool;
+  ThreadPool* pool = g_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return *pool;
+  static std::once_flag registered;  // never taken again after the first call: fork-safe
+  std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, forget_pool_in_child); });
+  // Two threads may get here at once: one pool wins, the other is deleted (it has no workers yet).
+  ThreadPool* fresh = new ThreadPool();
+  if (g_pool.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
+  delete fresh;
+  return *pool;
 }
 
 int ThreadPool::usable_cores() {
@@ -48,31 +67,22 @@ int ThreadPool::usable_cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-  }
-  cv_work_.notify_all();
-  for (auto& t : workers_) {
-    if (t.joinable()) t.join();
-  }
-}
-
 void ThreadPool::ensure_workers(int n) {
-  // After fork() the child has none of the parent's workers: forget them (never join or
-  // destroy them; their handles mean nothing here) and start new ones.
-  if (owner_pid_ != getpid()) {
-    if (!workers_.empty()) new std::vector<std::thread>(std::move(workers_));  // leaked on purpose
-    workers_.clear();
-    owner_pid_ = getpid();
-  }
+  workers_.reserve(size_t(n));
   while (int(workers_.size()) < n) {
     int id = int(workers_.size()) + 1;  // worker 0 is the caller
     // Called under mu_ before the job's generation is published: the new worker takes part
     // in every generation after this one.
     uint64_t seen = generation_.load();
-    workers_.emplace_back([this, id, seen] { worker_loop(id, seen); });
+    try {
+      workers_.emplace_back([this, id, seen] { worker_loop(id, seen); });
+    } catch (const std::system_error& e) {
+      // The workers started so far stay valid: a later call with fewer threads still works.
+      throw std::runtime_error("hmoe: could not start CPU worker thread " + std::to_string(id + 1) + " of " +
+                               std::to_string(n + 1) + " (" + e.what() + "); use fewer threads: "
+                               "hmoe.set_num_threads(n) or HMOE_NUM_THREADS (this process runs " +
+                               std::to_string(workers_.size() + 1) + ")");
+    }
   }
 }
 
@@ -95,8 +105,7 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
     spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_work_.wait(lk, [&] { return stop_ || (generation_ != seen && id <= active_workers_); });
-      if (stop_) return;
+      cv_work_.wait(lk, [&] { return generation_ != seen && id <= active_workers_; });
       seen = generation_;
     }
     run_tasks(id);
@@ -110,7 +119,7 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
 void ThreadPool::parallel_for(int64_t n_tasks, int n_threads,
                               const std::function<void(int64_t, int)>& fn) {
   if (n_tasks <= 0) return;
-  n_threads = int(std::max<int64_t>(1, std::min<int64_t>(n_threads, n_tasks)));
+  n_threads = int(std::max<int64_t>(1, std::min<int64_t>({n_threads, n_tasks, kMaxThreads})));
   if (n_threads == 1) {
     for (int64_t t = 0; t < n_tasks; ++t) fn(t, 0);
     return;

@@ -1,5 +1,6 @@
 // A fixed pool of worker threads that runs one parallel-for at a time; callers from several
-// threads are serialised, and the calling thread works too.
+// threads are serialised, and the calling thread works too. One pool per process: a forked
+// child gets a fresh one (see instance()).
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -11,21 +12,32 @@
 
 namespace hmoe {
 
+// The most threads one parallel-for may use (python/hmoe/_threads.py refuses more first).
+constexpr int kMaxThreads = 1024;
+
 class ThreadPool {
  public:
   // fn(task, worker) for task in [0, n_tasks); worker in [0, n_threads) identifies the
   // thread, so callers can index per-thread scratch. Runs on at most n_threads threads
-  // (the caller included) and returns when every task is done. Tasks are handed out
-  // dynamically. The first exception thrown by a task is rethrown here.
+  // (the caller included; clamped to [1, kMaxThreads]) and returns when every task is done.
+  // Tasks are handed out dynamically. The first exception thrown by a task is rethrown here.
+  // A worker thread that cannot be started is a std::runtime_error saying so; the pool stays
+  // usable with the workers it has.
   void parallel_for(int64_t n_tasks, int n_threads,
                     const std::function<void(int64_t task, int worker)>& fn);
 
+  // This process's pool. After fork() the child's copy of the parent's pool is abandoned
+  // (its workers do not exist there and its mutexes and condition variables may be held by
+  // them or list them as waiters: using it would hang) and a new one is made on first use.
   static ThreadPool& instance();
   // Threads usable by this process (sched affinity), at least 1.
   static int usable_cores();
-  ~ThreadPool();
 
  private:
+  ThreadPool() = default;
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
   void ensure_workers(int n);
   void worker_loop(int id, uint64_t seen);
   void run_tasks(int worker);
@@ -34,8 +46,6 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable cv_work_, cv_done_;
   std::vector<std::thread> workers_;
-  int owner_pid_ = -1;  // process that started workers_
-  bool stop_ = false;
   // Written under mu_; atomic so that spinning threads can read them without the lock.
   std::atomic<uint64_t> generation_{0};
   int active_workers_ = 0;        // workers (excluding caller) taking part in this job

@@ -1,7 +1,11 @@
 """Thread count for hmoe's CPU kernels: HMOE_NUM_THREADS or set_num_threads, default = usable cores."""
 from __future__ import annotations
 
+import numbers
 import os
+
+# kMaxThreads in cpp/common/thread_pool.h: more threads than this is refused, not clamped.
+MAX_THREADS = 1024
 
 _num_threads: int | None = None
 
@@ -13,12 +17,18 @@ def _usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _checked(n, source: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"{source} must be a whole number of threads from 1 to {MAX_THREADS}, got {n!r} "
+                         f"(this process may use {_usable_cores()} cores)")
+    return int(n)
+
+
 def set_num_threads(n: int) -> None:
-    """Threads used by hmoe's CPU kernels (the calling thread included)."""
+    """Threads used by hmoe's CPU kernels (the calling thread included), 1 to MAX_THREADS (1024).
+    More threads than cores only adds contention; the default is the cores this process may use."""
     global _num_threads
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"set_num_threads: n must be a positive int, got {n!r}")
-    _num_threads = n
+    _num_threads = _checked(n, "set_num_threads: n")
 
 
 def get_num_threads() -> int:
@@ -29,8 +39,6 @@ def get_num_threads() -> int:
         try:
             n = int(env)
         except ValueError:
-            raise ValueError(f"HMOE_NUM_THREADS={env!r} is not a positive integer") from None
-        if n < 1:
-            raise ValueError(f"HMOE_NUM_THREADS={env!r} is not a positive integer")
-        return n
+            n = env
+        return _checked(n, f"HMOE_NUM_THREADS={env!r}:")
     return _usable_cores()

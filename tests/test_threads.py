@@ -1,0 +1,148 @@
+"""The CPU thread pool under misuse: forked children (os.fork, fork-started Pools), absurd thread
+counts, and thread creation failing."""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import hmoe
+
+from .ops.experts_reference import random_problem
+
+# The workers of a pool that has run a job wait on a condition variable; a forked child that
+# used that pool would wait forever, so every fork test has a deadline.
+DEADLINE_S = 60
+
+
+@pytest.fixture
+def two_threads():
+    before = hmoe.get_num_threads()
+    hmoe.set_num_threads(2)
+    yield
+    hmoe.set_num_threads(before)
+
+
+def _problem():
+    return random_problem(48, 64, 32, 6, 2, torch.float32, torch.bfloat16)
+
+
+def _wait(pid: int) -> int:
+    """The child's exit status; kills it and fails when it does not finish in time."""
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung in its first hmoe call (killed after {DEADLINE_S} s)")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Python 3.12 warns about fork with threads
+def test_os_fork_child_runs_cpu_ops(two_threads):
+    x, ids, w, w13, w2 = _problem()
+    experts = hmoe.CPUExperts(w13, w2)
+    want = experts(x, ids, w)  # the parent's workers now exist and sleep
+    want_f = hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2)
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only when both ops ran and agree with the parent
+        code = 1
+        try:
+            ok = torch.equal(experts(x, ids, w), want)
+            ok = ok and torch.equal(hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2), want_f)
+            ok = ok and torch.equal(experts(x, ids, w), want)  # its own pool, reused
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    assert _wait(pid) == 0
+    assert torch.equal(experts(x, ids, w), want)  # the parent's pool is untouched
+
+
+_POOL_STATE = {}
+
+
+def _pool_job(i: int) -> bool:
+    s = _POOL_STATE
+    return torch.equal(s["experts"](s["x"], s["ids"], s["w"]), s["want"])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fork_started_pool_runs_cpu_ops(two_threads):
+    x, ids, w, w13, w2 = _problem()
+    experts = hmoe.CPUExperts(w13, w2)
+    _POOL_STATE.update(experts=experts, x=x, ids=ids, w=w, want=experts(x, ids, w))
+    pool = multiprocessing.get_context("fork").Pool(2)
+    try:
+        got = pool.map_async(_pool_job, range(4)).get(timeout=DEADLINE_S)
+    except multiprocessing.TimeoutError:
+        pytest.fail(f"fork-started Pool workers hung in their first hmoe call ({DEADLINE_S} s)")
+    finally:
+        pool.terminate()
+        pool.join()
+        _POOL_STATE.clear()
+    assert got == [True] * 4
+
+
+@pytest.mark.parametrize("n", [0, -1, 2 ** 31, 10 ** 6, 1025, True, 2.0, "4", None])
+def test_set_num_threads_refuses_garbage(n):
+    before = hmoe.get_num_threads()
+    with pytest.raises(ValueError, match="1 to 1024"):
+        hmoe.set_num_threads(n)
+    assert hmoe.get_num_threads() == before
+
+
+@pytest.mark.parametrize("value", ["2147483648", "99999", "0", "abc", "-3", "1.5"])
+def test_env_thread_count_refused_clearly_by_every_cpu_op(monkeypatch, value):
+    import hmoe._threads as threads
+
+    monkeypatch.setattr(threads, "_num_threads", None)
+    monkeypatch.setenv("HMOE_NUM_THREADS", value)
+    x, ids, w, w13, w2 = _problem()
+    for call in (lambda: hmoe.CPUExperts(w13, w2), lambda: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2)):
+        with pytest.raises(ValueError, match="HMOE_NUM_THREADS"):
+            call()
+
+
+def test_the_bound_is_usable():
+    before = hmoe.get_num_threads()
+    hmoe.set_num_threads(hmoe._threads.MAX_THREADS)
+    hmoe.set_num_threads(before)
+
+
+CHILD_THREAD_FAILURE = textwrap.dedent("""
+    import resource, sys, torch, hmoe
+    from tests.ops.experts_reference import random_problem
+    x, ids, w, w13, w2 = random_problem(256, 64, 32, 64, 2, torch.float32, torch.float32)
+    experts = hmoe.CPUExperts(w13, w2)
+    want = experts(x, ids, w)
+    vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+    # Room for a few more 8 MiB thread stacks, not for 200.
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
+    hmoe.set_num_threads(200)
+    try:
+        experts(x, ids, w)
+        print("NO ERROR")
+    except RuntimeError as e:
+        print("ERROR:", e)
+    hmoe.set_num_threads(2)
+    print("AFTER:", torch.equal(experts(x, ids, w), want))
+""")
+
+
+def test_thread_creation_failure_is_a_clear_error_and_the_pool_survives():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", PYTHONPATH=root)  # no per-thread malloc arenas
+    env.pop("HMOE_NUM_THREADS", None)
+    p = subprocess.run([sys.executable, "-c", CHILD_THREAD_FAILURE], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=root)
+    assert p.returncode == 0, p.stdout + p.stderr
+    err = next(line for line in p.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR")))
+    assert "could not start CPU worker thread" in err and "set_num_threads" in err, err
+    assert "AFTER: True" in p.stdout, p.stdout
