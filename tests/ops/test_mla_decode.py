@@ -198,3 +198,39 @@ def test_bad_input_without_gpu():
         hmoe.ops.mla_decode(x.float(), *args[1:], sm_scale=1.0)
     with pytest.raises(ValueError, match="must be on the CUDA"):
         hmoe.ops.mla_decode(*args, sm_scale=1.0)
+
+
+@pytest.mark.gpu
+def test_misuse_refused_before_launch():
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(2, 4, [5, 6], 64, torch.bfloat16, "cuda", gen(3))
+    args = dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, page_table=pt, seq_lens=lens)
+    for scale in (1e39, -1e39, float("inf")):
+        with pytest.raises(ValueError, match="sm_scale must be finite in float32"):
+            hmoe.ops.mla_decode(**args, sm_scale=scale)
+    with pytest.raises(TypeError, match="sm_scale must be a float"):
+        hmoe.ops.mla_decode(**args, sm_scale="0.1")
+    # out aliasing an input: the kernel would overwrite what it still reads.
+    alias = q_nope.view(-1)[: 2 * 4 * 512].view(2, 4, 512)
+    with pytest.raises(ValueError, match="out overlaps q_nope"):
+        hmoe.ops.mla_decode(**args, sm_scale=SCALE, out=alias)
+    big = ckv.view(-1)[: 2 * 4 * 512].view(2, 4, 512)
+    with pytest.raises(ValueError, match="out overlaps ckv_cache"):
+        hmoe.ops.mla_decode(**args, sm_scale=SCALE, out=big)
+    # A batch past the CUDA grid's limit.
+    B = mla_mod.MAX_BATCH + 1
+    many = make_cache(1, 1, [5], 64, torch.bfloat16, "cuda", gen(4))
+    with pytest.raises(ValueError, match="at most 65535 requests"):
+        hmoe.ops.mla_decode(many[0].expand(B, 1, 512).contiguous(), many[1].expand(B, 1, 64).contiguous(),
+                            many[2], many[3], many[4].expand(B, -1).contiguous(),
+                            many[5].expand(B).contiguous(), sm_scale=SCALE)
+
+
+def test_size_limits_of_the_kernel_arguments():
+    mla_mod.check_sizes(65535, 128, 2 ** 10, 64)
+    mla_mod.check_sizes(1, 128, 2 ** 25 - 1, 64)
+    with pytest.raises(ValueError, match="at most 65535 requests"):
+        mla_mod.check_sizes(65536, 1, 1, 64)
+    with pytest.raises(ValueError, match="below 2\\^31"):
+        mla_mod.check_sizes(1, 1, 2 ** 25, 64)       # max_pages * page_size = 2^31
+    with pytest.raises(ValueError, match="below 2\\^31"):
+        mla_mod.check_sizes(40000, 1, 2 ** 16, 16)   # batch * max_pages > 2^31

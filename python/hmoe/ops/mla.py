@@ -13,7 +13,6 @@ rounded once to q's dtype. L = 0 gives out = 0 and lse = -inf.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 
@@ -22,6 +21,7 @@ from . import _cuda, _pages, mla_flashinfer  # importing mla_flashinfer register
 
 D_CKV, D_PE = 512, 64
 MAX_HEADS = 128
+MAX_BATCH = 65535  # the CUDA grid's z dimension
 
 _lock = threading.Lock()
 _plans: dict = {}
@@ -65,7 +65,7 @@ def _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, s
         raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: the last dimension must be {D_CKV}")
     if page < 1 or P < 1:
         raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: no pages")
-    if P * page >= 2 ** 31:  # the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
+    if P * page > V.INT32_MAX:  # the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
         raise ValueError(f"ckv_cache has {P * page} token rows; mla_decode supports fewer than 2^31")
     if tuple(kpe_cache.shape) != (P, page, D_PE):
         raise ValueError(f"kpe_cache has shape {tuple(kpe_cache.shape)}, expected {(P, page, D_PE)}")
@@ -73,11 +73,22 @@ def _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, s
         raise ValueError(f"page_table has shape {tuple(page_table.shape)}, expected [{B}, max_pages >= 1]")
     if tuple(seq_lens.shape) != (B,):
         raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected ({B},)")
+    check_sizes(B, H, page_table.shape[1], page)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary (it is a view at an odd offset)")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be a finite float, got {sm_scale!r}")
+    return V.f32_arg("sm_scale", sm_scale)
+
+
+def check_sizes(B: int, H: int, max_pages: int, page_size: int) -> None:
+    """The limits of the kernels' 32-bit arguments and of the CUDA grid (B is a grid dimension)."""
+    if B > MAX_BATCH:
+        raise ValueError(f"q_nope has batch {B}; mla_decode runs at most {MAX_BATCH} requests a call "
+                         "(the CUDA grid's limit): split the batch")
+    if max_pages * page_size > V.INT32_MAX or B * max_pages > V.INT32_MAX:
+        raise ValueError(f"page_table [{B}, {max_pages}] with page size {page_size}: a request's "
+                         "capacity (max_pages * page_size) and the table (batch * max_pages) must "
+                         "stay below 2^31")
 
 
 def validate_indices(page_table, seq_lens, page_size: int, num_pages: int) -> None:
@@ -119,7 +130,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     `out` (optional) receives the result: [B, H, 512], q's dtype and device, contiguous.
     """
     torch = V.torch_module()
-    _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale)
+    sm_scale = _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale)
     B, H, _ = q_nope.shape
     P, page_size, _ = ckv_cache.shape
     max_pages = page_table.shape[1]
@@ -130,6 +141,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
         V.tensor("out", out, ndim=3, dtypes=(q_nope.dtype,), device="cuda")
         if tuple(out.shape) != (B, H, D_CKV) or out.device != dev or out.data_ptr() % 16:
             raise ValueError(f"out must be a 16-byte aligned [{B}, {H}, {D_CKV}] tensor on {dev}")
+        V.disjoint("out", out, {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache,
+                                "kpe_cache": kpe_cache, "page_table": page_table, "seq_lens": seq_lens})
     lse = torch.empty((B, H), dtype=torch.float32, device=dev) if return_lse else None
     if B == 0:
         return (out, lse) if return_lse else out

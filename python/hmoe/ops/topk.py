@@ -2,9 +2,6 @@
 the C++ CPU variant (hmoe._native.cpu_core) or the CUDA kernel (hmoe._native.cuda_ops)."""
 from __future__ import annotations
 
-import math
-import numbers
-
 from .. import _dtypes, validation as V
 from . import _cuda
 from .._native import load
@@ -16,42 +13,24 @@ __all__ = ["grouped_topk"]
 _SCORING_CODES = {"softmax": 0, "sigmoid": 1}
 # kGroupedTopkMaxExperts in cpp/topk/grouped_topk.h: the same limit on every device.
 MAX_EXPERTS = 4096
-_F32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
-
-
-
-def _int_arg(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"grouped_topk: {name} must be an int, got {type(value).__name__}")
-    return int(value)
 
 
 def _validate(torch, router_logits, top_k, n_group, topk_group, scoring, bias, renormalize,
               routed_scaling_factor):
     floats = V.float_dtypes()
-    if not isinstance(router_logits, torch.Tensor):
-        raise TypeError("grouped_topk: router_logits must be a torch.Tensor, got "
-                        f"{type(router_logits).__name__}")
-    if router_logits.dim() != 2:
-        raise ValueError("grouped_topk: router_logits must be 2-D [tokens, experts], got shape "
-                         f"{tuple(router_logits.shape)}")
-    if router_logits.dtype not in floats:
-        raise TypeError("grouped_topk: router_logits must be float32, float16 or bfloat16, got "
-                        f"{router_logits.dtype}")
-    if router_logits.device.type not in ("cpu", "cuda"):
-        raise ValueError("grouped_topk: router_logits must be on a cpu or cuda device, got "
-                         f"{router_logits.device}")
-    if not router_logits.is_contiguous():
-        raise ValueError("grouped_topk: router_logits must be contiguous (call .contiguous())")
+    V.tensor("grouped_topk: router_logits", router_logits, ndim=2, dtypes=floats, device=("cpu", "cuda"))
     E = router_logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"grouped_topk: router_logits has {E} experts (dim 1); supported: "
                          f"1..{MAX_EXPERTS}")
+    if router_logits.shape[0] > V.INT32_MAX:
+        raise ValueError(f"grouped_topk: router_logits has {router_logits.shape[0]} tokens; "
+                         f"supported: up to {V.INT32_MAX}")
     if not isinstance(scoring, str) or scoring not in _SCORING_CODES:
         raise ValueError(f"grouped_topk: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    n_group = _int_arg("n_group", n_group)
-    topk_group = _int_arg("topk_group", topk_group)
-    top_k = _int_arg("top_k", top_k)
+    n_group = V.int_arg("grouped_topk: n_group", n_group, hi=MAX_EXPERTS)
+    topk_group = V.int_arg("grouped_topk: topk_group", topk_group, hi=MAX_EXPERTS)
+    top_k = V.int_arg("grouped_topk: top_k", top_k, hi=MAX_EXPERTS)
     if n_group < 1 or E % n_group:
         raise ValueError(f"grouped_topk: n_group={n_group} must be >= 1 and divide the number "
                          f"of experts {E}")
@@ -69,30 +48,16 @@ def _validate(torch, router_logits, top_k, n_group, topk_group, scoring, bias, r
             # As in transformers: only DeepseekV3's sigmoid router has a correction bias.
             raise ValueError("grouped_topk: bias (e_score_correction_bias) is only used with "
                              "scoring='sigmoid'")
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"grouped_topk: bias must be a torch.Tensor or None, got "
-                            f"{type(bias).__name__}")
+        V.tensor("grouped_topk: bias", bias, dtypes=floats)
         if tuple(bias.shape) != (E,):
             raise ValueError(f"grouped_topk: bias must have shape ({E},), got {tuple(bias.shape)}")
-        if bias.dtype not in floats:
-            raise TypeError(f"grouped_topk: bias must be float32, float16 or bfloat16, got "
-                            f"{bias.dtype}")
         if bias.device != router_logits.device:
             raise ValueError(f"grouped_topk: bias is on {bias.device}, router_logits on "
                              f"{router_logits.device}; they must be on the same device")
-        if not bias.is_contiguous():
-            raise ValueError("grouped_topk: bias must be contiguous (call .contiguous())")
     if not isinstance(renormalize, bool):
         raise TypeError(f"grouped_topk: renormalize must be a bool, got "
                         f"{type(renormalize).__name__}")
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor,
-                                                                 numbers.Real):
-        raise TypeError("grouped_topk: routed_scaling_factor must be a float, got "
-                        f"{type(routed_scaling_factor).__name__}")
-    rsf = float(routed_scaling_factor)
-    if not math.isfinite(rsf) or abs(rsf) > _F32_MAX:
-        raise ValueError(f"grouped_topk: routed_scaling_factor must be finite in float32, got "
-                         f"{routed_scaling_factor!r}")
+    rsf = V.f32_arg("grouped_topk: routed_scaling_factor", routed_scaling_factor)
     return top_k, n_group, topk_group, rsf
 
 

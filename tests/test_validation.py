@@ -1,0 +1,159 @@
+"""Tensor arguments with no real memory behind them (FakeTensor, wrapper subclasses, other
+subclasses, null storage, lazy neg/conj views) and out-of-range scalars are refused by every op
+before native code runs; nn.Parameter is a plain tensor and is accepted."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import hmoe
+from hmoe import validation as V
+
+from .ops.experts_reference import random_problem
+
+
+class Sub(torch.Tensor):
+    """A subclass without its own dispatch: it has storage, but hmoe cannot know what it means."""
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (like DTensor or a quantised tensor): no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"Wrapper does not implement {func}")
+
+
+def _null_storage(t):
+    """A tensor of t's shape and dtype whose storage pointer is 0."""
+    st = torch._C._construct_storage_from_data_pointer(0, t.device, t.numel() * t.element_size())
+    return torch.empty(0, dtype=t.dtype).set_(st, 0, t.shape, t.stride())
+
+
+BAD = {  # kind -> (make, exception)
+    "fake": (lambda t: FakeTensorMode().from_tensor(t), TypeError),
+    "wrapper": (Wrapper, TypeError),
+    "subclass": (lambda t: t.as_subclass(Sub), TypeError),
+    "null_storage": (_null_storage, ValueError),
+    "neg_view": (torch._neg_view, ValueError),
+}
+
+
+def _experts_args():
+    x, ids, w, w13, w2 = random_problem(5, 40, 24, 4, 2, torch.float32, torch.bfloat16)
+    return {"x": x, "topk_ids": ids, "topk_weights": w, "w13": w13, "w2": w2}
+
+
+def _call_functional(a):
+    return hmoe.ops.moe_experts_cpu(a["x"], a["topk_ids"], a["topk_weights"], a["w13"], a["w2"])
+
+
+def _call_class(a):
+    return hmoe.CPUExperts(a["w13"], a["w2"])(a["x"], a["topk_ids"], a["topk_weights"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch warns when a FakeTensor's data_ptr is read
+@pytest.mark.parametrize("kind", sorted(BAD))
+@pytest.mark.parametrize("arg", ["x", "topk_ids", "topk_weights", "w13", "w2"])
+@pytest.mark.parametrize("call", [_call_functional, _call_class], ids=["moe_experts_cpu", "CPUExperts"])
+def test_experts_refuse_tensors_without_memory(kind, arg, call):
+    make, exc = BAD[kind]
+    a = _experts_args()
+    a[arg] = make(a[arg])
+    with pytest.raises(exc, match=arg):
+        call(a)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", sorted(BAD))
+@pytest.mark.parametrize("arg", ["router_logits", "bias"])
+def test_grouped_topk_refuses_tensors_without_memory(kind, arg):
+    make, exc = BAD[kind]
+    a = {"router_logits": torch.randn(6, 16), "bias": torch.randn(16)}
+    a[arg] = make(a[arg])
+    with pytest.raises(exc, match=arg):
+        hmoe.ops.grouped_topk(a["router_logits"], 2, n_group=4, topk_group=2, scoring="sigmoid",
+                              bias=a["bias"])
+
+
+def _mla_args(device):
+    a = {"q_nope": torch.randn(2, 16, 512).bfloat16(), "q_pe": torch.randn(2, 16, 64).bfloat16(),
+         "ckv_cache": torch.randn(4, 16, 512).bfloat16(), "kpe_cache": torch.randn(4, 16, 64).bfloat16(),
+         "page_table": torch.zeros(2, 2, dtype=torch.int32), "seq_lens": torch.ones(2, dtype=torch.int32)}
+    return {k: v.to(device) for k, v in a.items()}
+
+
+MLA_ARGS = ["q_nope", "q_pe", "ckv_cache", "kpe_cache", "page_table", "seq_lens"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", sorted(BAD))
+@pytest.mark.parametrize("arg", [pytest.param(a, marks=pytest.mark.gpu) for a in MLA_ARGS])
+def test_mla_decode_refuses_tensors_without_memory(kind, arg):
+    make, exc = BAD[kind]
+    if kind == "null_storage":  # a CUDA storage at address 0
+        make = lambda t: torch.empty(0, dtype=t.dtype, device=t.device).set_(  # noqa: E731
+            torch._C._construct_storage_from_data_pointer(0, t.device, t.numel() * t.element_size()),
+            0, t.shape, t.stride())
+    a = _mla_args("cuda")
+    a[arg] = make(a[arg])
+    with pytest.raises(exc, match=arg):
+        hmoe.ops.mla_decode(**a, sm_scale=0.1)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["fake", "wrapper", "subclass"])
+def test_mla_decode_refuses_subclasses_without_a_gpu(kind):
+    # q_nope is checked first, its type before its device: this runs on any machine.
+    make, exc = BAD[kind]
+    a = _mla_args("cpu")
+    a["q_nope"] = make(a["q_nope"])
+    with pytest.raises(exc, match="q_nope"):
+        hmoe.ops.mla_decode(**a, sm_scale=0.1)
+
+
+def test_parameters_are_plain_tensors():
+    a = _experts_args()
+    want_class, want_functional = _call_class(a), _call_functional(a)
+    a["w13"], a["w2"] = torch.nn.Parameter(a["w13"], requires_grad=False), torch.nn.Parameter(a["w2"])
+    assert torch.equal(_call_class(a), want_class)
+    assert torch.equal(_call_functional(a), want_functional)
+
+
+def test_conjugate_view_refused():
+    z = torch.randn(3, dtype=torch.complex64).conj()
+    with pytest.raises(ValueError, match="z is a lazily negated/conjugated view"):
+        V.tensor("z", z)
+
+
+def test_sparse_refused():
+    with pytest.raises(TypeError, match="layout"):
+        V.tensor("s", torch.eye(3).to_sparse())
+
+
+@pytest.mark.parametrize("value, exc", [(1e39, ValueError), (-1e39, ValueError), (float("inf"), ValueError),
+                                        (float("nan"), ValueError), (True, TypeError), ("1", TypeError)])
+def test_f32_arg(value, exc):
+    with pytest.raises(exc, match="scale"):
+        V.f32_arg("scale", value)
+    with pytest.raises(exc, match="routed_scaling_factor"):
+        hmoe.ops.grouped_topk(torch.randn(2, 8), 2, routed_scaling_factor=value)
+
+
+@pytest.mark.parametrize("value, exc", [(2 ** 31, ValueError), (-1, ValueError), (1.0, TypeError), (False, TypeError)])
+def test_int_arg(value, exc):
+    with pytest.raises(exc, match="top_k"):
+        hmoe.ops.grouped_topk(torch.randn(2, 8), value)
+
+
+def test_disjoint():
+    buf = torch.zeros(100)
+    V.disjoint("out", buf[:50], {"a": buf[50:], "none": None})
+    with pytest.raises(ValueError, match="out overlaps a"):
+        V.disjoint("out", buf[:50], {"a": buf[49:]})
