@@ -13,11 +13,18 @@ class CPUExperts:
     Same math and precision contract as hmoe.ops.moe_experts_cpu, with w13 [E, 2I, H] and
     w2 [E, H, I] repacked at construction into the blocked layout the kernels stream (the
     originals are not kept: drop your references to free them). Calls are thread-safe.
+
+    Pickling and deep copies keep the packed weights and the `isa` asked for, not the variant:
+    unpickling selects again for the CPU it runs on (a forced `isa` that CPU cannot run is a
+    ValueError there, never an illegal instruction).
     """
+
+    _STATE_VERSION = 1
 
     def __init__(self, w13, w2, *, isa: str | None = None):
         torch = V.torch_module()
         self.num_experts, self.hidden_size, self.intermediate_size = _experts.check_weights(w13, w2)
+        self._isa_request = isa
         self.selection = _experts.select(isa)
         self.dtype = w13.dtype
         mod = _experts.module(self.selection)
@@ -27,6 +34,30 @@ class CPUExperts:
         self._w2 = torch.empty(E * b2, dtype=torch.uint8)
         mod.pack_weights(w13.data_ptr(), w2.data_ptr(), code(self.dtype), E, H, I,
                          self._w13.data_ptr(), self._w2.data_ptr(), get_num_threads())
+
+    def __getstate__(self):
+        return {"version": self._STATE_VERSION, "isa": self._isa_request, "dtype": self.dtype,
+                "shape": (self.num_experts, self.hidden_size, self.intermediate_size),
+                "w13": self._w13, "w2": self._w2}
+
+    def __setstate__(self, state):
+        if not isinstance(state, dict) or state.get("version") != self._STATE_VERSION:
+            raise ValueError("unpickling CPUExperts: this state was written by another hmoe version "
+                             f"(state version {state.get('version') if isinstance(state, dict) else '?'}, "
+                             f"this hmoe reads {self._STATE_VERSION}); build it again from the weights")
+        E, H, I = state["shape"]
+        try:
+            sel = _experts.select(state["isa"])
+        except ValueError as e:
+            raise ValueError(f"unpickling CPUExperts on this machine: {e}") from None
+        # Every ISA module packs the same layout; its size is the cheap check that it still does.
+        b13, b2 = _experts.module(sel).packed_bytes(code(state["dtype"]), H, I)
+        if (state["w13"].numel(), state["w2"].numel()) != (E * b13, E * b2):
+            raise ValueError(f"unpickling CPUExperts: the packed weights do not have the layout the "
+                             f"{sel.variant} module expects; build it again from the weights")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        self._isa_request, self.selection, self.dtype = state["isa"], sel, state["dtype"]
+        self._w13, self._w2 = state["w13"], state["w2"]
 
     @property
     def isa(self) -> str:

@@ -1,0 +1,81 @@
+"""CPUExperts pickled, deep-copied and loaded where the CPU differs: it selects its variant again
+for the machine it runs on instead of running the ISA it was built on."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+import hmoe
+from hmoe import _native
+from hmoe.hardware import cpu as hcpu
+from hmoe.ops import experts as ops_experts
+
+from .ops.experts_reference import random_problem
+
+
+def _experts(**kw):
+    x, ids, w, w13, w2 = random_problem(40, 48, 40, 5, 2, torch.float32, torch.bfloat16)
+    return hmoe.CPUExperts(w13, w2, **kw), (x, ids, w)
+
+
+def test_pickle_and_deepcopy_round_trip():
+    experts, args = _experts()
+    want = experts(*args)
+    for twin in (pickle.loads(pickle.dumps(experts)), copy.deepcopy(experts)):
+        assert twin.isa == experts.isa and repr(twin) == repr(experts)
+        assert torch.equal(twin(*args), want)
+        assert twin._w13.data_ptr() != experts._w13.data_ptr()
+
+
+@pytest.fixture
+def weaker_cpu(monkeypatch):
+    """Calling it moves this process to a CPU with only the lowest level of arch/cpu.json."""
+    lowest = hcpu.levels()[0]["name"]
+
+    def move():
+        monkeypatch.setattr(hcpu, "cpu_info", lambda request_amx=False: hcpu.simulated(lowest))
+        monkeypatch.setattr(ops_experts, "_selections", {})
+        return lowest
+    return move
+
+
+def test_unpickled_on_a_weaker_cpu_reselects(weaker_cpu):
+    experts, args = _experts()  # built for this machine's best level
+    blob = pickle.dumps(experts)
+    lowest = weaker_cpu()
+    twin = pickle.loads(blob)
+    assert twin.selection.variant == lowest, twin.selection
+    # Same packed weights, another ISA: the same function up to the order of fp32 sums.
+    got, ref = twin(*args), experts(*args)
+    assert (got - ref).norm() <= 1e-5 * ref.norm()
+
+
+def test_forced_isa_the_cpu_lacks_is_refused_at_unpickling(weaker_cpu):
+    runnable = [lv["name"] for lv in hcpu.levels()
+                if not hcpu.missing_requirements(lv, hcpu.cpu_info(request_amx=True))]
+    if len(runnable) < 2:
+        pytest.skip("this CPU runs a single ISA level")
+    experts, _ = _experts(isa=runnable[-1])
+    blob = pickle.dumps(experts)
+    weaker_cpu()
+    with pytest.raises(ValueError, match=f"unpickling CPUExperts on this machine: isa='{runnable[-1]}'"):
+        pickle.loads(blob)
+
+
+def test_state_from_another_version_is_refused():
+    experts, _ = _experts()
+    state = experts.__getstate__()
+    state["version"] = 99
+    twin = hmoe.CPUExperts.__new__(hmoe.CPUExperts)
+    with pytest.raises(ValueError, match="another hmoe version"):
+        twin.__setstate__(state)
+
+
+def test_unpickling_does_not_load_the_old_module(weaker_cpu, monkeypatch):
+    experts, _ = _experts()
+    blob = pickle.dumps(experts)
+    lowest = weaker_cpu()
+    monkeypatch.setattr(_native, "_loaded", {})
+    pickle.loads(blob)
+    assert list(_native._loaded) == [f"experts_{lowest}"]
