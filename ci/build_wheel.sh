@@ -80,8 +80,7 @@ do_install() {
   "$py" -m venv "$work/venv"
   # torch first (the CPU build, via the pip config); hmoe must not pull or pin any torch itself.
   vpip torch==2.13.0
-  vpip "$whl"
-  vpip pytest "transformers>=4.48" numpy matplotlib
+  vpip "$whl[test]"
   "$work/venv/bin/python" -m pip list 2>/dev/null | grep -E "^(hmoe[-a-z0-9]*|torch|transformers|pytest) " || true
 }
 do_tests() {
