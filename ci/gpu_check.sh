@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: build and install hmoe (every CUDA target), run the whole test suite
-# (GPU tests included), the compat check with self-tests and the benchmarks, writing logs to
+# (GPU tests included), the compat check with self-tests and the benchmarks (host overhead, MLA
+# decode, CPU experts), writing logs to
 # the folder given as $1. flashinfer wheels in .device/whl/ (../shared/device/fetch-wheels.sh)
 # are installed first when present, for the mla comparison.
 #   usage: bash ci/gpu_check.sh OUTDIR [experts-bench args...]
@@ -36,6 +37,7 @@ step build env HMOE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install --no-build-isolation --no-deps -v . || { echo "build failed"; exit 1; }
 step tests python3 -m pytest tests -q -rs -p no:cacheprovider
 step compat python3 -m hmoe.compat check --selftest
+step bench_overhead python3 -m hmoe.bench overhead --json "$out/bench_overhead.json"
 step bench_mla python3 -m hmoe.bench mla --json "$out/bench_mla.json" --plot "$out/mla_roofline.png"
 step bench_experts python3 -m hmoe.bench experts --json "$out/bench_experts.json" "$@"
 exit $status

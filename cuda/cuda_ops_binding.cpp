@@ -17,10 +17,11 @@ namespace py = pybind11;
 #define HMOE_MLA_DECODE_SIG                                                                    \
   "mla_decode(q_nope:ptr, q_pe:ptr, ckv:ptr, kpe:ptr, page_table:ptr, seq_lens:ptr, out:ptr, " \
   "lse:ptr, partial_o:ptr, partial_lse:ptr, batch:i32, heads:i32, page_size:i32, "              \
-  "max_pages:i32, num_pages:i32, num_splits:i32, dtype:i32, sm_scale:f32, device:i32, "       \
-  "stream:ptr) -> None"
-#define HMOE_MLA_PLAN_SIG \
-  "mla_decode_plan(device:i32, batch:i32, heads:i32, max_pages:i32, page_size:i32) -> (num_splits, heads_per_cta, tile_tokens, smem_bytes)"
+  "max_pages:i32, num_pages:i32, num_splits:i32, config:i32, loader:i32, dtype:i32, sm_scale:f32, " \
+  "device:i32, stream:ptr) -> None"
+#define HMOE_MLA_PLAN_SIG                                                                        \
+  "mla_decode_plan(device:i32, batch:i32, heads:i32, max_pages:i32, page_size:i32, config:i32, " \
+  "allow_tma:bool) -> (num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes)"
 
 PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   m.doc() = "hmoe portable CUDA kernels (no libtorch; static CUDA runtime)";
@@ -52,7 +53,8 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
         [](uintptr_t q_nope, uintptr_t q_pe, uintptr_t ckv, uintptr_t kpe, uintptr_t page_table,
            uintptr_t seq_lens, uintptr_t out, uintptr_t lse, uintptr_t partial_o, uintptr_t partial_lse,
            int32_t batch, int32_t heads, int32_t page_size, int32_t max_pages, int32_t num_pages,
-           int32_t num_splits, int32_t dtype, float sm_scale, int32_t device, uintptr_t stream) {
+           int32_t num_splits, int32_t config, int32_t loader, int32_t dtype, float sm_scale, int32_t device,
+           uintptr_t stream) {
           hmoe::MlaDecodeParams p{reinterpret_cast<const void*>(q_nope), reinterpret_cast<const void*>(q_pe),
                                   reinterpret_cast<const void*>(ckv), reinterpret_cast<const void*>(kpe),
                                   reinterpret_cast<const int32_t*>(page_table),
@@ -60,13 +62,14 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
                                   reinterpret_cast<float*>(lse), reinterpret_cast<float*>(partial_o),
                                   reinterpret_cast<float*>(partial_lse), batch, heads, page_size, max_pages,
                                   num_pages, num_splits, dtype, sm_scale};
+          const hmoe::MlaDecodePlan plan{num_splits, config, loader, 0, 0, 0};
           py::gil_scoped_release nogil;
-          hmoe::mla_decode_portable(p, device, stream);
+          hmoe::mla_decode_portable(p, plan, device, stream);
         });
-  m.def("mla_decode_plan", [](int32_t device, int32_t batch, int32_t heads, int32_t max_pages, int32_t page_size) {
-    hmoe::MlaConfig c = hmoe::mla_decode_config(device, heads);
-    int splits = hmoe::mla_decode_num_splits(device, batch, heads, max_pages, page_size);
-    return py::make_tuple(splits, c.heads_per_cta, c.tile_tokens, c.smem_bytes);
+  m.def("mla_decode_plan", [](int32_t device, int32_t batch, int32_t heads, int32_t max_pages, int32_t page_size,
+                              int32_t config, bool allow_tma) {
+    const hmoe::MlaDecodePlan p = hmoe::mla_decode_plan(device, batch, heads, max_pages, page_size, config, allow_tma);
+    return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes);
   });
   // Loads every kernel of this module on `device` and sets their shared-memory limits (first
   // eager call, or hmoe.prewarm()): nothing of this may happen inside graph capture.

@@ -40,9 +40,11 @@ Routing route(const MoeParams& p) {
   for (int64_t s = 0; s < S; ++s) {
     int64_t e = p.ids_dtype == kI64 ? static_cast<const int64_t*>(p.topk_ids)[s]
                                     : static_cast<const int32_t*>(p.topk_ids)[s];
+    // The op's range check (Python leaves it here: this pass reads every id anyway, before any
+    // weight is touched). std::invalid_argument reaches Python as ValueError.
     if (e < 0 || e >= p.E) {
-      throw std::invalid_argument("topk_ids: expert id " + std::to_string(e) + " at token " +
-                                  std::to_string(s / p.K) + " is outside [0, " + std::to_string(p.E) + ")");
+      throw std::invalid_argument("topk_ids holds " + std::to_string(e) + " (token " + std::to_string(s / p.K) +
+                                  ", slot " + std::to_string(s % p.K) + "), outside [0, " + std::to_string(p.E) + ")");
     }
     ids[size_t(s)] = e;
   }
@@ -85,6 +87,14 @@ void tiles_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_
                int64_t ldc) {
   if constexpr (T::kAvailable) T::mma_2x2(A, lda, B0, B1, kpad, C, ldc);
 }
+// Threads worth waking for a phase that moves about `bytes` (weights streamed, or rows copied):
+// waking a worker costs a few microseconds, about what streaming 256 KB takes, so tiny calls
+// (decode with small experts, the gather and combine of a few tokens) stay on the caller.
+constexpr int64_t kBytesPerThread = 256 << 10;
+int threads_for(int64_t bytes, int threads) {
+  return int(std::clamp<int64_t>(bytes / kBytesPerThread, 1, threads));
+}
+
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
   int64_t chunk = std::clamp<int64_t>(total / (8 * int64_t(threads)), 1, 16);
@@ -202,7 +212,7 @@ void run_moe(const MoeParams& p) {
   std::memset(Hact.get() + S * d.ldh * asz, 0, size_t(32 * d.ldh * asz));
 
   const int64_t row_chunk = std::max<int64_t>(1, S / (4 * threads));
-  pool.parallel_for(ceil_div(S, row_chunk), threads, [&](int64_t task, int) {
+  pool.parallel_for(ceil_div(S, row_chunk), threads_for(S * p.H * 4, threads), [&](int64_t task, int) {
     std::vector<float> tmp(size_t(p.H));
     for (int64_t row = task * row_chunk; row < std::min(S, (task + 1) * row_chunk); ++row) {
       const int64_t t = r.token[size_t(row)];
@@ -232,8 +242,12 @@ void run_moe(const MoeParams& p) {
   };
 
   // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
+  // Weight bytes streamed, times the 16-row register tiles each block meets (compute grows with rows).
+  const int64_t tiles = ceil_div(r.max_rows, 16);
+  const int64_t n_active = int64_t(r.active.size());
   auto tasks1 = make_tasks(r, d.n_pairs, isa::kNR / 2, threads);
-  pool.parallel_for(int64_t(tasks1.size()), threads, [&](int64_t ti, int worker) {
+  pool.parallel_for(int64_t(tasks1.size()), threads_for(n_active * d.bytes13 * tiles, threads),
+                    [&](int64_t ti, int worker) {
     const Task& tk = tasks1[size_t(ti)];
     const int64_t e = r.active[size_t(tk.a)];
     const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
@@ -297,7 +311,8 @@ void run_moe(const MoeParams& p) {
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
   auto tasks2 = make_tasks(r, d.n_out_blocks, isa::kNR, threads);
-  pool.parallel_for(int64_t(tasks2.size()), threads, [&](int64_t ti, int worker) {
+  pool.parallel_for(int64_t(tasks2.size()), threads_for(n_active * d.bytes2 * tiles, threads),
+                    [&](int64_t ti, int worker) {
     const Task& tk = tasks2[size_t(ti)];
     const int64_t e = r.active[size_t(tk.a)];
     const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
@@ -346,7 +361,7 @@ void run_moe(const MoeParams& p) {
 
   // out[t] = sum_k w[t, k] * Y[pos(t, k)], in k order, then rounded once to x's dtype.
   const int64_t tok_chunk = std::max<int64_t>(1, p.T / (4 * threads));
-  pool.parallel_for(ceil_div(p.T, tok_chunk), threads, [&](int64_t task, int) {
+  pool.parallel_for(ceil_div(p.T, tok_chunk), threads_for(S * p.H * 4, threads), [&](int64_t task, int) {
     std::vector<float> acc(size_t(p.H));
     for (int64_t t = task * tok_chunk; t < std::min(p.T, (task + 1) * tok_chunk); ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);

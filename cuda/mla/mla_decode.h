@@ -6,21 +6,18 @@
 
 namespace hmoe {
 
-// The tile configuration the kernel uses on `device` for `heads` heads, as chosen from the
-// device's opt-in shared memory limit: heads per CTA, KV tokens per tile, shared memory.
-struct MlaConfig {
-  int heads_per_cta;
-  int tile_tokens;
-  int smem_bytes;
-};
-MlaConfig mla_decode_config(int device, int heads);
+// The plan for this shape on `device`: the tile configuration (from the device's opt-in shared
+// memory), the loader and the KV splits. It depends on shapes only, never on seq_lens, so a
+// captured graph can replay with new lengths. config >= 0 forces a configuration (it must fit the
+// device); allow_tma = false keeps the loader on cp.async. Throws std::invalid_argument for a
+// forced configuration the device cannot run.
+MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, int page_size, int config,
+                              bool allow_tma);
 
-// KV splits for this batch shape on `device` (depends on shapes only, never on seq_lens, so a
-// captured graph can replay with new lengths).
-int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size);
-
-// Launches on `stream` (asynchronous). Throws std::runtime_error on a CUDA error.
-void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream);
+// Launches on `stream` (asynchronous) as `plan` says (p.num_splits = plan.num_splits). Throws
+// std::invalid_argument for a plan that does not fit p or the device, std::runtime_error on a
+// CUDA error.
+void mla_decode_portable(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream);
 
 // Sets the shared-memory attributes of every configuration on `device` (lazy work that must
 // not happen inside CUDA-graph capture).

@@ -17,7 +17,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -40,9 +39,8 @@ constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softm
 
 constexpr int kStages = 2;   // ring buffers
 
-// How a CTA fills its ring: cp.async per lane-held row (any page size), cp.async from one base
-// (tiles inside one page: page size a multiple of kTile), or the TMA (the same, on sm_90+).
-enum Loader { kLoadRows, kLoadContig, kLoadTma };
+// How a CTA fills its ring (MlaLoader in mla_params.h).
+enum Loader { kLoadRows = kMlaLoadRows, kLoadContig = kMlaLoadContig, kLoadTma = kMlaLoadTma };
 
 // Shared memory of a CTA, offsets from a kTileAlign-aligned base (the launcher adds kTileAlign
 // bytes of slack: the dynamic window's own alignment is not promised).
@@ -486,16 +484,13 @@ CUtensorMap tensor_map(const void* base, int64_t rows, int cols, int box_cols, C
   return map;
 }
 
-// The loader for this call: the TMA on sm_90+ when tiles lie in one page and a CTA has 32 heads
-// (with 16 heads, memory-bound, cp.async ran 1% faster: cuda/mla/NOTES.md), unless
-// HMOE_MLA_TMA=0 (a tuning and diagnostic knob: cp.async everywhere).
-// cc_major: the device's compute capability major.
-int choose_loader(int cc_major, int config, int page_size) {
+// The loader for a configuration: the TMA on sm_90+ when tiles lie in one page and a CTA has 32
+// heads (with 16 heads, memory-bound, cp.async ran 1% faster: docs/perf/mla_decode.md), unless
+// the plan was asked to keep cp.async. cc_major: the device's compute capability major.
+int choose_loader(int cc_major, int config, int page_size, bool allow_tma) {
   if (page_size % kTile != 0) return kLoadRows;
-  const char* env = std::getenv("HMOE_MLA_TMA");
-  const bool tma_off = env != nullptr && std::string(env) == "0";
-  const bool tma = cc_major >= 9 && kConfigs[config][0] == 2;
-  return tma && !tma_off ? kLoadTma : kLoadContig;
+  const bool tma = allow_tma && cc_major >= 9 && kConfigs[config][0] == 2;
+  return tma ? kLoadTma : kLoadContig;
 }
 
 int config_bytes(int c) {
@@ -506,16 +501,14 @@ int config_bytes(int c) {
 
 int config_heads(int c) { return 16 * kConfigs[c][0]; }
 
-int choose_config(int device, int heads) {
-  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  const int want_mt = heads > 16 ? 2 : 1;
-  // HMOE_MLA_CONFIG=<index into kConfigs> forces one where it fits (a tuning knob).
-  if (const char* env = std::getenv("HMOE_MLA_CONFIG")) {
-    const int c = std::atoi(env);
-    if (c < 0 || c >= kNumConfigs || config_bytes(c) > limit)
-      throw std::invalid_argument(std::string("HMOE_MLA_CONFIG=") + env + " is not a configuration this device fits");
-    return c;
+int choose_config(int limit, int heads, int forced) {
+  if (forced >= 0) {
+    if (forced >= kNumConfigs || config_bytes(forced) > limit)
+      throw std::invalid_argument("mla_decode: configuration " + std::to_string(forced) +
+                                  " does not exist or does not fit this device's shared memory");
+    return forced;
   }
+  const int want_mt = heads > 16 ? 2 : 1;
   for (int c = 0; c < kNumConfigs; ++c)
     if (kConfigs[c][0] <= want_mt && config_bytes(c) <= limit) return c;
   throw std::runtime_error("mla_decode: the device's shared memory (" + std::to_string(limit) +
@@ -524,26 +517,30 @@ int choose_config(int device, int heads) {
 
 }  // namespace
 
-MlaConfig mla_decode_config(int device, int heads) {
-  const int c = choose_config(device, heads);
-  return {config_heads(c), kTile, config_bytes(c)};
-}
-
-int mla_decode_num_splits(int device, int batch, int heads, int max_pages, int page_size) {
+MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, int page_size, int config,
+                              bool allow_tma) {
+  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int sms = device_attr(device, cudaDevAttrMultiProcessorCount);
   const int smem_sm = device_attr(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor);
-  const MlaConfig cfg = mla_decode_config(device, heads);
-  const int ctas = batch * ((heads + cfg.heads_per_cta - 1) / cfg.heads_per_cta);
-  const int slots = sms * std::max(1, smem_sm / (cfg.smem_bytes + 1024));  // CTAs resident at once
-  const int max_tiles = std::max(1, (max_pages * page_size + cfg.tile_tokens - 1) / cfg.tile_tokens);
+  const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
+  MlaDecodePlan plan{};
+  plan.config = choose_config(limit, heads, config);
+  plan.loader = choose_loader(cc_major, plan.config, page_size, allow_tma);
+  plan.heads_per_cta = config_heads(plan.config);
+  plan.tile_tokens = kTile;
+  plan.smem_bytes = config_bytes(plan.config);
+  const int ctas = batch * ((heads + plan.heads_per_cta - 1) / plan.heads_per_cta);
+  const int slots = sms * std::max(1, smem_sm / (plan.smem_bytes + 1024));  // CTAs resident at once
+  const int max_tiles = std::max(1, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
   const int max_splits = std::max(1, std::min(kMlaMaxSplits, max_tiles / 2));
   // As many splits as one wave of CTAs holds (a grid that already fills the slots is not split),
   // then the fewest splits with the same tiles per CTA: every split costs a partial write and its
   // share of the combine pass. (1 x 32768 x 128: 64 splits of 16 tiles ran 54.0 us where the
-  // earlier rule's 60 splits, 18 tiles in the longest, ran 57.9: cuda/mla/NOTES.md.)
-  const int fit = std::clamp(slots / ctas, 1, max_splits);
+  // earlier rule's 60 splits, 18 tiles in the longest, ran 57.9: docs/perf/mla_decode.md.)
+  const int fit = std::clamp(slots / std::max(1, ctas), 1, max_splits);
   const int per = (max_tiles + fit - 1) / fit;
-  return (max_tiles + per - 1) / per;
+  plan.num_splits = (max_tiles + per - 1) / per;
+  return plan;
 }
 
 void mla_decode_prewarm(int device) {
@@ -560,32 +557,37 @@ void mla_decode_prewarm(int device) {
   }
   const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
   for (int c = 0; c < kNumConfigs; ++c)
-    if (choose_loader(cc_major, c, kTile) == kLoadTma) encode_tiled();
+    if (choose_loader(cc_major, c, kTile, true) == kLoadTma) encode_tiled();
   mla_combine_prewarm();
 }
 
-void mla_decode_portable(const MlaDecodeParams& p, int device, uintptr_t stream_handle) {
+void mla_decode_portable(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle) {
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
+  // The plan came from mla_decode_plan for this shape; these keep a stale or foreign one from
+  // launching a kernel whose loader the page size (or the device) cannot serve.
+  if (plan.config < 0 || plan.config >= kNumConfigs || plan.num_splits != p.num_splits || p.num_splits < 1 ||
+      p.num_splits > kMlaMaxSplits || plan.loader < kLoadRows || plan.loader > kLoadTma ||
+      (plan.loader != kLoadRows && p.page_size % kTile != 0) ||
+      (plan.loader == kLoadTma && kConfigs[plan.config][0] != 2))
+    throw std::invalid_argument("mla_decode: the plan does not fit this call (compute it with mla_decode_plan)");
   const DeviceGuard guard(device, "mla_decode");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  const int c = choose_config(device, p.heads);
-  const int heads_per_cta = config_heads(c);
+  const int heads_per_cta = config_heads(plan.config);
   const dim3 grid(p.num_splits, (p.heads + heads_per_cta - 1) / heads_per_cta, p.batch);
-  const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
-  const int loader = choose_loader(cc_major, c, p.page_size);
   KvTensorMaps maps = {};
-  if (loader == kLoadTma) {
+  if (plan.loader == kLoadTma) {
     const int64_t rows = int64_t(p.num_pages) * p.page_size;
     maps.ckv = tensor_map(p.ckv, rows, kMlaDimCkv, kBlockCols, CU_TENSOR_MAP_SWIZZLE_128B);
     maps.kpe = tensor_map(p.kpe, rows, kMlaDimPe, kWarpRope, CU_TENSOR_MAP_SWIZZLE_32B);
   }
   auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p, maps); };
-  if (p.dtype == kBF16) with_config<__nv_bfloat16>(c, loader, launch);
-  else with_config<__half>(c, loader, launch);
+  if (p.dtype == kBF16) with_config<__nv_bfloat16>(plan.config, plan.loader, launch);
+  else with_config<__half>(plan.config, plan.loader, launch);
   check(cudaGetLastError(), "kernel launch");
-  if (p.num_splits > 1) mla_combine(p, stream, cc_major >= 9);
+  // Programmatic dependent launch exists on sm_90+ only.
+  if (p.num_splits > 1) mla_combine(p, stream, device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9);
 }
 
 }  // namespace hmoe

@@ -8,6 +8,21 @@ constexpr int kMlaDimCkv = 512;  // latent (the value and the "nope" part of the
 constexpr int kMlaDimPe = 64;    // rope part of the key
 constexpr int kMlaMaxSplits = 64;  // KV splits at most (the combine kernel weighs them with two warps)
 
+// How the KV cache reaches shared memory: cp.async per lane-held row (any page size), cp.async
+// from one base per tile (page size a multiple of the tile), or the TMA (the same, sm_90+).
+enum MlaLoader : int32_t { kMlaLoadRows = 0, kMlaLoadContig = 1, kMlaLoadTma = 2 };
+
+// How one call runs, decided once per shape by mla_decode_plan (Python caches it and passes it
+// with every call): the kernels obey it and read no environment.
+struct MlaDecodePlan {
+  int32_t num_splits;     // KV splits (1: no combine pass)
+  int32_t config;         // index into the variant's table of tile configurations
+  int32_t loader;         // MlaLoader
+  int32_t heads_per_cta;  // what the configuration means, for reports
+  int32_t tile_tokens;
+  int32_t smem_bytes;
+};
+
 struct MlaDecodeParams {
   const void* q_nope;         // [B, H, 512], dtype
   const void* q_pe;           // [B, H, 64], dtype

@@ -3,13 +3,19 @@ from __future__ import annotations
 
 F32, F16, BF16, I32, I64 = 0, 1, 2, 3, 4
 
+_CODES: dict = {}
+
 
 def code(dtype) -> int:
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        pass
     import torch
 
-    table = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16,
-             torch.int32: I32, torch.int64: I64}
+    _CODES.update({torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16,
+                   torch.int32: I32, torch.int64: I64})
     try:
-        return table[dtype]
+        return _CODES[dtype]
     except KeyError:
         raise TypeError(f"dtype {dtype} has no native code") from None

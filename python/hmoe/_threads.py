@@ -4,22 +4,30 @@ from __future__ import annotations
 import numbers
 import os
 
+from . import _env
+
 # kMaxThreads in cpp/common/thread_pool.h: more threads than this is refused, not clamped.
 MAX_THREADS = 1024
 
 _num_threads: int | None = None
+_cores: tuple[int, int] | None = None  # (pid, usable cores): asked once per process (a syscall)
 
 
 def _usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    global _cores
+    pid = os.getpid()
+    if _cores is None or _cores[0] != pid:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            n = os.cpu_count() or 1
+        _cores = (pid, max(1, n))
+    return _cores[1]
 
 
 def _checked(n, source: str) -> int:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_THREADS:
-        raise ValueError(f"{source} must be a whole number of threads from 1 to {MAX_THREADS}, got {n!r} "
+        raise ValueError(f"{source} must be a positive whole number of threads, at most {MAX_THREADS}, got {n!r} "
                          f"(this process may use {_usable_cores()} cores)")
     return int(n)
 
@@ -34,7 +42,7 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     if _num_threads is not None:
         return _num_threads
-    env = os.environ.get("HMOE_NUM_THREADS")
+    env = _env.get("HMOE_NUM_THREADS")
     if env:
         try:
             n = int(env)

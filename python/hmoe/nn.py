@@ -68,9 +68,10 @@ class CPUExperts:
         return self._w13.numel() + self._w2.numel()
 
     def __call__(self, x, topk_ids, topk_weights):
-        T, K = _experts.check_tokens(x, topk_ids, topk_weights, self.num_experts, self.hidden_size)
+        _experts.check_tokens(x, topk_ids, topk_weights, self.num_experts, self.hidden_size)
         return _experts.run(self.selection, x, topk_ids, topk_weights, self._w13, self._w2, True,
-                            self.num_experts, self.hidden_size, self.intermediate_size, self.dtype)
+                            self.num_experts, self.hidden_size, self.intermediate_size, self.dtype,
+                            mod=_experts.module(self.selection))
 
     def __repr__(self):
         return (f"CPUExperts(E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, "

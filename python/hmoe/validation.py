@@ -59,17 +59,17 @@ def tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None,
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
-    if device is not None:
+    if device is not None and not (t.is_cuda if device == "cuda" else t.is_cpu if device == "cpu"
+                                   else t.device.type in device):
         kinds = (device,) if isinstance(device, str) else device
-        if t.device.type not in kinds:
-            where = " or ".join(k.upper() for k in kinds)
-            raise ValueError(f"{name} must be on the {where}, got device {t.device}")
+        where = " or ".join(k.upper() for k in kinds)
+        raise ValueError(f"{name} must be on the {where}, got device {t.device}")
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{name} is a lazily negated/conjugated view; its memory does not hold its "
                          "values (call .resolve_neg() / .resolve_conj() first)")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() on it first)")
-    if t.data_ptr() == 0 and t.numel() > 0:
+    if not t.data_ptr() and t.numel():
         raise ValueError(f"{name} has no storage (data_ptr() is 0) although it holds {t.numel()} "
                          "elements")
     return t
@@ -78,17 +78,6 @@ def tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None,
 def dim(name: str, t, axis: int, expected: int, what: str) -> None:
     if t.shape[axis] != expected:
         raise ValueError(f"{name} has shape {tuple(t.shape)}: dimension {axis} must be {what} = {expected}")
-
-
-def index_range(name: str, ids, upper: int) -> None:
-    """All of `ids` in [0, upper)."""
-    if ids.numel() == 0:
-        return
-    lo, hi = ids.aminmax()
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= upper:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds {bad}, outside [0, {upper})")
 
 
 def int_arg(name: str, value, lo: int = 0, hi: int = INT32_MAX) -> int:
@@ -103,6 +92,8 @@ def int_arg(name: str, value, lo: int = 0, hi: int = INT32_MAX) -> int:
 
 def f32_arg(name: str, value) -> float:
     """A real, finite argument that the native side receives as fp32 (so it must not overflow it)."""
+    if type(value) is float and -_F32_MAX <= value <= _F32_MAX:  # the usual case, NaN excluded
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     value = float(value)
@@ -127,6 +118,32 @@ def disjoint(out_name: str, out, inputs: dict) -> None:
                              "own input: pass a separate output tensor")
 
 
-def float_dtypes():
-    torch = torch_module()
-    return (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_SETS: dict = {}
+
+
+def _dtype_set(name: str, names) -> tuple:
+    got = _DTYPE_SETS.get(name)
+    if got is None:
+        torch = torch_module()
+        got = _DTYPE_SETS[name] = tuple(getattr(torch, n) for n in names)
+    return got
+
+
+def float_dtypes() -> tuple:
+    return _dtype_set("float", ("float32", "float16", "bfloat16"))
+
+
+def half_dtypes() -> tuple:
+    return _dtype_set("half", ("bfloat16", "float16"))
+
+
+def int_dtypes() -> tuple:
+    return _dtype_set("int", ("int32", "int64"))
+
+
+def f32_dtype() -> tuple:
+    return _dtype_set("f32", ("float32",))
+
+
+def i32_dtype() -> tuple:
+    return _dtype_set("i32", ("int32",))

@@ -21,11 +21,11 @@ CUDA_OPS = {
     "mla_decode": (
         "mla_decode(q_nope:ptr, q_pe:ptr, ckv:ptr, kpe:ptr, page_table:ptr, seq_lens:ptr, out:ptr, "
         "lse:ptr, partial_o:ptr, partial_lse:ptr, batch:i32, heads:i32, page_size:i32, "
-        "max_pages:i32, num_pages:i32, num_splits:i32, dtype:i32, sm_scale:f32, device:i32, "
-        "stream:ptr) -> None"),
+        "max_pages:i32, num_pages:i32, num_splits:i32, config:i32, loader:i32, dtype:i32, sm_scale:f32, "
+        "device:i32, stream:ptr) -> None"),
     "mla_decode_plan": (
-        "mla_decode_plan(device:i32, batch:i32, heads:i32, max_pages:i32, page_size:i32) -> "
-        "(num_splits, heads_per_cta, tile_tokens, smem_bytes)"),
+        "mla_decode_plan(device:i32, batch:i32, heads:i32, max_pages:i32, page_size:i32, config:i32, "
+        "allow_tma:bool) -> (num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes)"),
 }
 
 EXPERTS = {

@@ -118,6 +118,20 @@ def hmoe_runner(inp, opts):
     return fn, out
 
 
+def hmoe_plan(inp, opts) -> str | None:
+    """What the plan chose for this shape (hmoe's own variants; None for a flashinfer one)."""
+    from hmoe.ops import _cuda, mla
+
+    try:
+        if not _cuda.select("mla_decode", opts.device.index, opts.variant).module:
+            return None
+        B, H, _ = inp.q_nope.shape
+        return mla.plan(opts.device.index, B, H, inp.page_table.shape[1], inp.ckv.shape[1],
+                        variant=opts.variant).describe()
+    except Exception as e:  # noqa: BLE001 - the plan is a note; the timing already stands
+        return f"unknown ({_error(e)})"
+
+
 def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
     """flashinfer.mla.BatchMLAPagedAttentionWrapper on the same cache: its ckv/kpe layout is ours
     ([pages, page_size, dim]); its page table is CSR: kv_indices lists page ids request after
@@ -172,6 +186,7 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progre
         progress(f"{s.name}: hmoe")
         fn, out = hmoe_runner(inp, opts)
         row["hmoe"], outs["hmoe"] = measure(fn, s, opts, flush, copy_gbps), out
+        row["hmoe"]["plan"] = hmoe_plan(inp, opts)
     except Exception as e:  # noqa: BLE001 - reported in the table; flashinfer still runs
         row["hmoe"] = {"error": _error(e)}
     for backend in BACKENDS if fi is not None else ():
@@ -292,6 +307,10 @@ def parse_args(argv, prog):
     p.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to mla_decode)")
+    p.add_argument("--config", type=int, default=None,
+                   help="force the kernel's tile configuration (an index, see hmoe.ops.mla.plan; sets HMOE_MLA_CONFIG)")
+    p.add_argument("--no-tma", action="store_true",
+                   help="load the cache with cp.async where the TMA would be used (sets HMOE_MLA_TMA=0)")
     p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer in MiB (default 2048)")
@@ -310,8 +329,15 @@ def parse_args(argv, prog):
 
 def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    import os
+
     import torch
 
+    # The plan reads these (hmoe.ops.mla.plan): the knobs for tuning runs.
+    if opts.config is not None:
+        os.environ["HMOE_MLA_CONFIG"] = str(opts.config)
+    if opts.no_tma:
+        os.environ["HMOE_MLA_TMA"] = "0"
     if not torch.cuda.is_available():
         print(f"hmoe.bench mla: no usable CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
               f"built for CUDA {torch.version.cuda or 'none: a CPU-only build'}).\nThis benchmark times GPU kernels: "
@@ -363,6 +389,9 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     for s in opts.shape_list:
         rows.append(run_shape(s, opts, fi, fi_skip, copy["gbps"], flush, progress))
         print(format_row(rows[-1]), flush=True)
+    plans = [f"  {r['shape']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
+    if plans:
+        print("\nhmoe's plan per shape (hmoe.ops.mla.plan):\n" + "\n".join(plans))
     failures = sum(r["failed"] for r in rows)
     print(f"\n{len(rows)} shapes, {f'{failures} FAILED' if failures else 'all hmoe outputs check out'}")
     if opts.json:

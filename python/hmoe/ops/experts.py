@@ -9,34 +9,42 @@ these places):
   * silu(g) * u is computed in fp32 (exp to within about 2 ulp).
   * The routed sum over k is fp32, in k order; the result is rounded once to x.dtype.
 topk_weights are fp32 and used as given (no renormalisation).
+
+Host cost: every call validates its tensors here (about a microsecond each); expert ids are
+range-checked by the native routing pass, which reads each id before any weight is touched (an id
+outside [0, E) is a ValueError naming the token), so that the check costs no extra pass.
 """
 from __future__ import annotations
 
 import threading
 
-from .. import _dtypes, dispatch, validation as V
+from .. import _dtypes, _env, dispatch, validation as V
 from .._native import load
 from .._native.signatures import EXPERTS
 from .._threads import get_num_threads
 
 _selections: dict = {}
+_modules: dict = {}  # module name -> loaded module (load() is idempotent; this skips its lock)
 _sel_lock = threading.Lock()
 
 
 def select(isa: str | None = None) -> dispatch.Selection:
     """The CPU variant moe_experts_cpu uses for `isa` (None: best, or $HMOE_CPU_ISA)."""
-    import os
-
-    key = (isa, os.environ.get("HMOE_CPU_ISA"))
-    with _sel_lock:
-        sel = _selections.get(key)
-        if sel is None:
-            sel = _selections[key] = dispatch.select_cpu("experts", EXPERTS, isa=isa)
+    key = (isa, _env.get("HMOE_CPU_ISA"))
+    sel = _selections.get(key)
+    if sel is None:
+        with _sel_lock:
+            sel = _selections.get(key)
+            if sel is None:
+                sel = _selections[key] = dispatch.select_cpu("experts", EXPERTS, isa=isa)
     return sel
 
 
 def module(sel: dispatch.Selection):
-    return load(sel.module, EXPERTS)
+    mod = _modules.get(sel.module)
+    if mod is None:
+        mod = _modules[sel.module] = load(sel.module, EXPERTS)
+    return mod
 
 
 def check_weights(w13, w2):
@@ -58,38 +66,40 @@ def check_weights(w13, w2):
 
 
 def check_tokens(x, topk_ids, topk_weights, E: int, H: int):
-    """Validates x [T, H], topk_ids [T, K] and topk_weights [T, K]; returns (T, K)."""
-    torch = V.torch_module()
+    """Validates x [T, H], topk_ids [T, K] and topk_weights [T, K]; returns (T, K). The ids'
+    range is checked by the native routing pass (module docstring)."""
     V.tensor("x", x, ndim=2, dtypes=V.float_dtypes(), device="cpu")
-    V.tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device="cpu")
-    V.tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device="cpu")
-    T = x.shape[0]
-    V.dim("x", x, 1, H, "H (the experts' hidden size)")
-    if topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has {T} tokens")
-    K = topk_ids.shape[1]
+    V.tensor("topk_ids", topk_ids, ndim=2, dtypes=V.int_dtypes(), device="cpu")
+    V.tensor("topk_weights", topk_weights, ndim=2, dtypes=V.f32_dtype(), device="cpu")
+    T, h = x.shape
+    if h != H:
+        V.dim("x", x, 1, H, "H (the experts' hidden size)")
+    t, K = topk_ids.shape
+    if t != T:
+        raise ValueError(f"topk_ids has {t} rows, x has {T} tokens")
     if K < 1:
         raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}: top-k must be at least 1")
-    if tuple(topk_weights.shape) != (T, K):
+    if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected {(T, K)} "
                          "like topk_ids")
-    V.index_range("topk_ids", topk_ids, E)
     return T, K
 
 
 def run(sel, x, topk_ids, topk_weights, w13, w2, packed: bool, E: int, H: int, I: int, w_dtype,
-        out=None):
+        out=None, mod=None):
     """Launches the native op (inputs already validated); returns the [T, H] result, written
-    into `out` when given (contiguous, x's dtype and shape)."""
+    into `out` when given (contiguous, x's dtype and shape). `mod`: sel's module, when the caller
+    holds it."""
     torch = V.torch_module()
     T, K = topk_ids.shape
     if out is None:
-        out = torch.empty((T, H), dtype=x.dtype)
+        out = torch.empty(T, H, dtype=x.dtype)  # separate ints: parsed faster than a tuple
     if T == 0:
         return out
-    module(sel).moe_experts(
-        x.data_ptr(), _dtypes.code(x.dtype), topk_ids.data_ptr(), _dtypes.code(topk_ids.dtype),
-        topk_weights.data_ptr(), w13.data_ptr(), w2.data_ptr(), _dtypes.code(w_dtype), int(packed),
+    code = _dtypes.code
+    (mod or module(sel)).moe_experts(
+        x.data_ptr(), code(x.dtype), topk_ids.data_ptr(), code(topk_ids.dtype),
+        topk_weights.data_ptr(), w13.data_ptr(), w2.data_ptr(), code(w_dtype), int(packed),
         out.data_ptr(), T, K, E, H, I, get_num_threads())
     return out
 

@@ -13,52 +13,81 @@ rounded once to q's dtype. L = 0 gives out = 0 and lse = -inf.
 """
 from __future__ import annotations
 
-import os
+import collections
 import threading
 
-from .. import _dtypes, validation as V
+from .. import _dtypes, _env, validation as V
 from . import _cuda, _pages, mla_flashinfer  # importing mla_flashinfer registers "flashinfer-fa2"/"-fa3"
 
 D_CKV, D_PE = 512, 64
 MAX_HEADS = 128
 MAX_BATCH = 65535  # the CUDA grid's z dimension
+LOADERS = ("cp.async rows", "cp.async", "tma")  # MlaLoader in cuda/mla/mla_params.h
 
 _lock = threading.Lock()
 _plans: dict = {}
 
 
-def plan(mod, index: int, batch: int, heads: int, max_pages: int, page_size: int) -> tuple:
-    """(num_splits, heads_per_cta, tile_tokens, smem_bytes) for this shape on cuda:<index>."""
-    key = (index, batch, heads, max_pages, page_size)
-    with _lock:
-        got = _plans.get(key)
+class MlaPlan(collections.namedtuple(
+        "MlaPlan", "num_splits config loader heads_per_cta tile_tokens smem_bytes")):
+    """How mla_decode runs one shape (MlaDecodePlan in cuda/mla/mla_params.h): KV splits, the tile
+    configuration (heads per CTA, KV tokens per tile, shared memory) and the loader."""
+
+    @property
+    def loader_name(self) -> str:
+        return LOADERS[self.loader]
+
+    def describe(self) -> str:
+        return (f"{self.num_splits} KV split(s), {self.heads_per_cta} heads x {self.tile_tokens} tokens per "
+                f"CTA tile (configuration {self.config}, {self.smem_bytes} B shared memory), {self.loader_name} loader")
+
+
+def plan(index: int, batch: int, heads: int, max_pages: int, page_size: int, *, config: int | None = None,
+         tma: bool | None = None, variant: str | None = None) -> MlaPlan:
+    """The plan mla_decode follows for this shape on cuda:<index>, computed once and cached. It
+    depends on shapes only (never on seq_lens), so a captured graph replays with new lengths.
+    Overrides for tests and tuning: `config` (an index into the kernel's configuration table;
+    default $HMOE_MLA_CONFIG, else the best that fits) and `tma` (False keeps the cache loads on
+    cp.async where the TMA would be used; default: False when $HMOE_MLA_TMA is "0")."""
+    if config is None:
+        env = _env.get("HMOE_MLA_CONFIG")
+        try:
+            config = -1 if env is None else int(env)
+        except ValueError:
+            raise ValueError(f"HMOE_MLA_CONFIG={env!r} is not a configuration index") from None
+    if tma is None:
+        tma = _env.get("HMOE_MLA_TMA") != "0"
+    key = (index, batch, heads, max_pages, page_size, config, tma, variant)
+    got = _plans.get(key)
     if got is None:
-        got = tuple(mod.mla_decode_plan(index, batch, heads, max_pages, page_size))
+        torch = V.torch_module()
+        mod = _cuda.module(torch, index, "mla_decode", variant)
+        got = MlaPlan(*mod.mla_decode_plan(index, batch, heads, max_pages, page_size, config, bool(tma)))
         with _lock:
             _plans[key] = got
     return got
 
 
-def _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale):
-    dt = (torch.bfloat16, torch.float16)
+def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale) -> float:
+    """Checks every argument (module docstring); returns sm_scale as a float."""
+    dt = V.half_dtypes()
     V.tensor("q_nope", q_nope, ndim=3, dtypes=dt, device="cuda")
-    dev = q_nope.device
+    index, dtype = q_nope.get_device(), q_nope.dtype
     for name, t, nd, dts in (("q_pe", q_pe, 3, dt), ("ckv_cache", ckv_cache, 3, dt),
-                             ("kpe_cache", kpe_cache, 3, dt),
-                             ("page_table", page_table, 2, (torch.int32,)),
-                             ("seq_lens", seq_lens, 1, (torch.int32,))):
+                             ("kpe_cache", kpe_cache, 3, dt), ("page_table", page_table, 2, V.i32_dtype()),
+                             ("seq_lens", seq_lens, 1, V.i32_dtype())):
         V.tensor(name, t, ndim=nd, dtypes=dts, device="cuda")
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, q_nope on {dev}: all inputs must share a device")
+        if t.get_device() != index:
+            raise ValueError(f"{name} is on {t.device}, q_nope on {q_nope.device}: all inputs must share a device")
     for name, t in (("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
-        if t.dtype != q_nope.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, q_nope {q_nope.dtype}: they must match")
+        if t.dtype is not dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, q_nope {dtype}: they must match")
     B, H, d = q_nope.shape
     if d != D_CKV:
         raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}: the last dimension must be {D_CKV}")
     if not 1 <= H <= MAX_HEADS:
         raise ValueError(f"q_nope has {H} heads; mla_decode supports 1 to {MAX_HEADS}")
-    if tuple(q_pe.shape) != (B, H, D_PE):
+    if q_pe.shape != (B, H, D_PE):
         raise ValueError(f"q_pe has shape {tuple(q_pe.shape)}, expected {(B, H, D_PE)}")
     P, page, d = ckv_cache.shape
     if d != D_CKV:
@@ -67,13 +96,14 @@ def _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, s
         raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: no pages")
     if P * page > V.INT32_MAX:  # the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
         raise ValueError(f"ckv_cache has {P * page} token rows; mla_decode supports fewer than 2^31")
-    if tuple(kpe_cache.shape) != (P, page, D_PE):
+    if kpe_cache.shape != (P, page, D_PE):
         raise ValueError(f"kpe_cache has shape {tuple(kpe_cache.shape)}, expected {(P, page, D_PE)}")
-    if page_table.shape[0] != B or page_table.shape[1] < 1:
+    b, max_pages = page_table.shape
+    if b != B or max_pages < 1:
         raise ValueError(f"page_table has shape {tuple(page_table.shape)}, expected [{B}, max_pages >= 1]")
-    if tuple(seq_lens.shape) != (B,):
+    if seq_lens.shape != (B,):
         raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected ({B},)")
-    check_sizes(B, H, page_table.shape[1], page)
+    check_sizes(B, H, max_pages, page)
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("ckv_cache", ckv_cache), ("kpe_cache", kpe_cache)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary (it is a view at an odd offset)")
@@ -130,39 +160,39 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     `out` (optional) receives the result: [B, H, 512], q's dtype and device, contiguous.
     """
     torch = V.torch_module()
-    sm_scale = _validate(torch, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale)
+    sm_scale = _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale)
     B, H, _ = q_nope.shape
     P, page_size, _ = ckv_cache.shape
     max_pages = page_table.shape[1]
-    dev = q_nope.device
     if out is None:
-        out = torch.empty((B, H, D_CKV), dtype=q_nope.dtype, device=dev)
+        out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device=q_nope.device)
     else:
         V.tensor("out", out, ndim=3, dtypes=(q_nope.dtype,), device="cuda")
-        if tuple(out.shape) != (B, H, D_CKV) or out.device != dev or out.data_ptr() % 16:
-            raise ValueError(f"out must be a 16-byte aligned [{B}, {H}, {D_CKV}] tensor on {dev}")
+        if out.shape != (B, H, D_CKV) or out.get_device() != q_nope.get_device() or out.data_ptr() % 16:
+            raise ValueError(f"out must be a 16-byte aligned [{B}, {H}, {D_CKV}] tensor on {q_nope.device}")
         V.disjoint("out", out, {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache,
                                 "kpe_cache": kpe_cache, "page_table": page_table, "seq_lens": seq_lens})
-    lse = torch.empty((B, H), dtype=torch.float32, device=dev) if return_lse else None
+    lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device) if return_lse else None
     if B == 0:
         return (out, lse) if return_lse else out
-    if check_indices or os.environ.get("HMOE_CHECK_INDICES") == "1":
+    if check_indices or _env.get("HMOE_CHECK_INDICES") == "1":
         validate_indices(page_table, seq_lens, page_size, P)
-    index = _cuda.device_index(torch, dev)
+    index = q_nope.get_device()
     sel = _cuda.select("mla_decode", index, variant)
-    if sel.variant.startswith("flashinfer"):
+    if not sel.module:  # a flashinfer backend
         return mla_flashinfer.run(sel.variant, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens,
                                   sm_scale=sm_scale, return_lse=return_lse, out=out)
     mod = _cuda.module(torch, index, "mla_decode", sel=sel)
-    splits = plan(mod, index, B, H, max_pages, page_size)[0]
-    part_o = part_lse = None
-    if splits > 1:
-        part_o = torch.empty((splits, B, H, D_CKV), dtype=torch.float32, device=dev)
-        part_lse = torch.empty((splits, B, H), dtype=torch.float32, device=dev)
-    stream = torch.cuda.current_stream(index).cuda_stream
+    pl = plan(index, B, H, max_pages, page_size, variant=variant)
+    part_o = part_lse = 0
+    if pl.num_splits > 1:  # one buffer for the fp32 partials: [splits, B, H, 512] then [splits, B, H]
+        n = pl.num_splits * B * H
+        work = torch.empty(n * (D_CKV + 1), dtype=torch.float32, device=q_nope.device)
+        part_o = work.data_ptr()
+        part_lse = part_o + 4 * n * D_CKV
     mod.mla_decode(q_nope.data_ptr(), q_pe.data_ptr(), ckv_cache.data_ptr(), kpe_cache.data_ptr(),
                    page_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                   0 if lse is None else lse.data_ptr(), 0 if part_o is None else part_o.data_ptr(),
-                   0 if part_lse is None else part_lse.data_ptr(), B, H, page_size, max_pages, P,
-                   splits, _dtypes.code(q_nope.dtype), float(sm_scale), index, stream)
+                   0 if lse is None else lse.data_ptr(), part_o, part_lse, B, H, page_size, max_pages, P,
+                   pl.num_splits, pl.config, pl.loader, _dtypes.code(q_nope.dtype), sm_scale, index,
+                   _cuda.stream_handle(torch, index))
     return (out, lse) if return_lse else out

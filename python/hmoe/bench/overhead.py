@@ -1,0 +1,182 @@
+# `python -m hmoe.bench overhead`: host time per call of hmoe's ops on tiny shapes (what a decode step pays per layer).
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+
+from hmoe.bench._report import progress, table_header
+
+CPU_GOAL_US = 10.0  # issue goal for the CPU ops' host time per call on the GPU machine's host
+
+
+def host_us(fn, calls: int, blocks: int, sync=None) -> dict:
+    """Host microseconds per call: `blocks` blocks of `calls` back-to-back calls, each block timed
+    with perf_counter (sync, if given, runs after each block, outside the timing: tiny GPU
+    kernels finish long before the next block, so the queue never backs up into the host)."""
+    per = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        if sync is not None:
+            sync()
+    return {"us": statistics.median(per), "us_min": min(per), "calls": calls * blocks}
+
+
+def profile_top(fn, calls: int, top: int) -> str:
+    """cProfile of `calls` calls: the functions where the host time goes, by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def cases(torch, hmoe, device: str | None, flashinfer) -> list:
+    """(name, device, shape text, fn, sync, goal) for every op measured."""
+    g = torch.Generator().manual_seed(0)
+    E, H, I, K, T = 8, 64, 32, 2, 1
+    w13 = torch.randn(E, 2 * I, H, generator=g).bfloat16()
+    w2 = torch.randn(E, H, I, generator=g).bfloat16()
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.tensor([[1, 5]], dtype=torch.int32)
+    w = torch.rand(T, K, generator=g)
+    experts = hmoe.CPUExperts(w13, w2)
+    logits, bias = torch.randn(T, 64, generator=g), torch.randn(64, generator=g)
+    topk = dict(top_k=6, n_group=8, topk_group=3, scoring="sigmoid", routed_scaling_factor=2.5)
+    tiny = f"T={T} H={H} I={I} E={E} K={K} bf16"
+    out = [("grouped_topk", "cpu", "T=1 E=64 top-6 sigmoid, 8 groups", lambda: hmoe.ops.grouped_topk(logits, bias=bias, **topk), None, CPU_GOAL_US),
+           ("moe_experts_cpu", "cpu", tiny, lambda: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2), None, CPU_GOAL_US),
+           ("CPUExperts", "cpu", tiny, lambda: experts(x, ids, w), None, CPU_GOAL_US)]
+    if device is None:
+        return out
+    dev = torch.device(device)
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    lg, bs = logits.to(dev), bias.to(dev)
+    out.append(("grouped_topk", device, "T=1 E=64 top-6 sigmoid, 8 groups",
+                lambda: hmoe.ops.grouped_topk(lg, bias=bs, **topk), sync, None))
+    B, Hq, S, page = 1, 16, 256, 64
+    q_nope = torch.randn(B, Hq, 512, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(B, Hq, 64, device=dev, dtype=torch.bfloat16)
+    ckv = torch.randn(S // page, page, 512, device=dev, dtype=torch.bfloat16)
+    kpe = torch.randn(S // page, page, 64, device=dev, dtype=torch.bfloat16)
+    pt = torch.arange(S // page, dtype=torch.int32, device=dev).view(1, -1)
+    lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+    shape = f"B={B} H={Hq} S={S} page={page} bf16"
+    out.append(("mla_decode", device, shape,
+                lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07), sync, "fi"))
+    o = torch.empty_like(q_nope)
+    out.append(("mla_decode(out=)", device, shape,
+                lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07, out=o), sync, "fi"))
+    if flashinfer is not None:
+        for backend in ("fa2", "fa3") if torch.cuda.get_device_capability(dev) == (9, 0) else ("fa2",):
+            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device=dev), backend=backend)
+            indptr = torch.tensor([0, S // page], dtype=torch.int32, device=dev)
+            wrapper.plan(torch.arange(B + 1, dtype=torch.int32, device=dev), indptr, pt.flatten(), lens, Hq, 512, 64,
+                         page, False, 0.07, torch.bfloat16, torch.bfloat16)
+            fo = torch.empty_like(q_nope)
+            run = (lambda wr=wrapper, fo=fo: wr.run(q_nope, q_pe, ckv, kpe, out=fo))
+            out.append((f"flashinfer {backend} run()", device, shape + " (after plan())", run, sync, None))
+    return out
+
+
+COLUMNS = [("op", 22, lambda r: r["op"]), ("device", 7, lambda r: r["device"]),
+           ("us/call", 8, lambda r: f"{r['us']:.2f}" if "us" in r else "-"),
+           ("min", 7, lambda r: f"{r['us_min']:.2f}" if "us" in r else "-"),
+           ("goal", 26, lambda r: r.get("verdict", "")), ("shape", 0, lambda r: r["shape"])]
+
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Host time per call of hmoe's ops on tiny shapes (Python checks, dispatch, allocation, the native call "
+        "and the launch), against flashinfer's run() for mla_decode when flashinfer imports."))
+    p.add_argument("--calls", type=int, default=200, help="calls per timed block (default 200)")
+    p.add_argument("--blocks", type=int, default=25, help="timed blocks; the median block is reported (default 25)")
+    p.add_argument("--threads", type=int, default=None, help="hmoe's CPU threads (default: hmoe.get_num_threads())")
+    p.add_argument("--cpu-only", action="store_true", help="leave the GPU ops out")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print a cProfile of N calls of each op (where the host time goes)")
+    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    opts = p.parse_args(argv)
+    if opts.calls < 1 or opts.blocks < 1 or opts.profile < 0:
+        p.error("--calls and --blocks must be positive, --profile >= 0")
+    return opts
+
+
+def main(argv=None, prog="python -m hmoe.bench overhead") -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    import torch
+
+    import hmoe
+    from hmoe.bench import membw
+
+    if opts.threads:
+        hmoe.set_num_threads(opts.threads)
+    device = None if opts.cpu_only or not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
+    flashinfer, fi_why = None, "no GPU" if device is None else None
+    if device is not None:
+        try:
+            import flashinfer.mla  # noqa: F401
+            import flashinfer
+        except Exception as e:  # noqa: BLE001 - the comparison is optional
+            fi_why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    print(f"hmoe.bench overhead  cpu: {membw.cpu_model()}  gpu: "
+          f"{torch.cuda.get_device_name(device) if device else 'none'}  torch {torch.__version__}  hmoe {hmoe.__version__}  "
+          f"flashinfer {getattr(flashinfer, '__version__', None) or 'unavailable: ' + str(fi_why)}  "
+          f"threads {hmoe.get_num_threads()}")
+    print(f"us/call = host time per call, median of {opts.blocks} blocks of {opts.calls} back-to-back calls "
+          f"(perf_counter; GPU ops synchronised between blocks, outside the timing); goal: CPU ops under "
+          f"{CPU_GOAL_US:.0f} us, mla_decode no more than flashinfer's run()\n")
+    rows = []
+    for name, dev, shape, fn, sync, goal in cases(torch, hmoe, device, flashinfer):
+        progress(f"{name} on {dev}")
+        row = {"op": name, "device": dev, "shape": shape}
+        try:
+            for _ in range(50):  # warm-up: module loads, plans, the allocator's first blocks
+                fn()
+            if sync:
+                sync()
+            row.update(host_us(fn, opts.calls, opts.blocks, sync))
+            if opts.profile:
+                row["profile"] = profile_top(fn, opts.profile, 25)
+        except Exception as e:  # noqa: BLE001 - a failing op is a row, not a crash
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        row["goal"] = goal
+        rows.append(row)
+    for r in rows:
+        if "us" not in r:
+            r["verdict"] = "ERROR: " + r.get("error", "")
+        elif r["goal"] == "fi":
+            ref = min((x for x in rows if x["op"].startswith("flashinfer") and "us" in x), key=lambda x: x["us"],
+                      default=None)
+            r["verdict"] = (f"{r['us'] / ref['us']:.2f}x {ref['op'].split()[1]} run() "
+                            f"({'met' if r['us'] <= ref['us'] else 'NOT met'})") if ref else "no flashinfer to compare"
+        elif r["goal"]:
+            r["verdict"] = f"< {r['goal']:.0f} us: {'met' if r['us'] < r['goal'] else 'NOT met'}"
+    print(table_header(COLUMNS))
+    for r in rows:
+        print("  ".join(f"{cell(r):<{w}}" for _, w, cell in COLUMNS).rstrip())
+    if opts.profile:
+        for r in rows:
+            if r.get("profile"):
+                print(f"\n--- profile: {r['op']} on {r['device']} ({opts.profile} calls)\n{r['profile']}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"rows": [{k: v for k, v in r.items() if k != "profile"} for r in rows]}, f, indent=1)
+        progress(f"wrote {opts.json}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
