@@ -38,35 +38,73 @@ list(GET HMOE_CPU_LEVELS 0 HMOE_CPU_BASELINE)
 message(STATUS "hmoe: CPU levels for ${HMOE_PROCESSOR}: ${HMOE_CPU_LEVELS}")
 
 # --- GPU --------------------------------------------------------------------------------
-set(HMOE_GPU_SASS_portable "")
+# Families (kernel_families in gpu.json): each is one module named after it. HMOE_GPU_SASS_<f> and
+# HMOE_GPU_PTX_<f> are its targets, HMOE_GPU_OPS_<f> its ops, HMOE_GPU_SRC_<f>_<op> their sources.
+set(HMOE_GPU_TARGETS "")
 string(JSON _ntargets LENGTH "${HMOE_GPU_JSON}" targets)
 math(EXPR _last "${_ntargets} - 1")
 foreach(i RANGE ${_last})
   string(JSON _sm GET "${HMOE_GPU_JSON}" targets ${i} sm)
-  list(APPEND HMOE_GPU_SASS_portable ${_sm})
+  list(APPEND HMOE_GPU_TARGETS ${_sm})
 endforeach()
-string(JSON HMOE_GPU_PTX_portable GET "${HMOE_GPU_JSON}" ptx_target)
-set(HMOE_GPU_SASS_sm90a 90a)
-set(HMOE_GPU_PTX_sm90a "")
+string(JSON HMOE_GPU_PTX_TARGET GET "${HMOE_GPU_JSON}" ptx_target)
 
-# HMOE_CUDA_ARCHS overrides the portable targets, e.g. "80,90" (PTX for the highest): from the
-# environment at every configure (so unsetting it takes effect in an existing build
-# directory), or from -DHMOE_CUDA_ARCHS=... when the environment does not set it.
+# HMOE_CUDA_ARCHS overrides the targets of the 'targets' families, e.g. "80,90" (PTX for the
+# highest): from the environment at every configure (so unsetting it takes effect in an existing
+# build directory), or from -DHMOE_CUDA_ARCHS=... when the environment does not set it.
 set(HMOE_CUDA_ARCHS "" CACHE STRING "override arch/gpu.json SASS targets (env HMOE_CUDA_ARCHS wins)")
 set(_archs "${HMOE_CUDA_ARCHS}")
 if(DEFINED ENV{HMOE_CUDA_ARCHS})
   set(_archs "$ENV{HMOE_CUDA_ARCHS}")
 endif()
 if(_archs)
-  string(REPLACE "," ";" HMOE_GPU_SASS_portable "${_archs}")
-  list(SORT HMOE_GPU_SASS_portable COMPARE NATURAL)
-  list(GET HMOE_GPU_SASS_portable -1 HMOE_GPU_PTX_portable)
+  string(REPLACE "," ";" HMOE_GPU_TARGETS "${_archs}")
+  list(SORT HMOE_GPU_TARGETS COMPARE NATURAL)
+  list(GET HMOE_GPU_TARGETS -1 HMOE_GPU_PTX_TARGET)
 endif()
+
+set(HMOE_GPU_FAMILIES "")
+string(JSON _nfam LENGTH "${HMOE_GPU_JSON}" kernel_families)
+math(EXPR _last "${_nfam} - 1")
+foreach(i RANGE ${_last})
+  string(JSON _fam MEMBER "${HMOE_GPU_JSON}" kernel_families ${i})
+  list(APPEND HMOE_GPU_FAMILIES ${_fam})
+  string(JSON _sass GET "${HMOE_GPU_JSON}" kernel_families ${_fam} sass)
+  if(_sass STREQUAL "targets")
+    set(HMOE_GPU_SASS_${_fam} ${HMOE_GPU_TARGETS})
+  elseif(_sass MATCHES "^arch_specific:(.+)$")
+    set(HMOE_GPU_SASS_${_fam} ${CMAKE_MATCH_1})
+  else()
+    message(FATAL_ERROR "hmoe: arch/gpu.json: family ${_fam} has sass '${_sass}' (expected 'targets' or 'arch_specific:<sm>')")
+  endif()
+  string(JSON _ptx GET "${HMOE_GPU_JSON}" kernel_families ${_fam} ptx)
+  set(HMOE_GPU_PTX_${_fam} "")
+  if(_ptx)
+    set(HMOE_GPU_PTX_${_fam} ${HMOE_GPU_PTX_TARGET})
+  endif()
+  set(HMOE_GPU_OPS_${_fam} "")
+  string(JSON _nops LENGTH "${HMOE_GPU_JSON}" kernel_families ${_fam} ops)
+  if(_nops GREATER 0)
+    math(EXPR _olast "${_nops} - 1")
+    foreach(j RANGE ${_olast})
+      string(JSON _op MEMBER "${HMOE_GPU_JSON}" kernel_families ${_fam} ops ${j})
+      list(APPEND HMOE_GPU_OPS_${_fam} ${_op})
+      string(JSON _nsrc LENGTH "${HMOE_GPU_JSON}" kernel_families ${_fam} ops ${_op})
+      math(EXPR _slast "${_nsrc} - 1")
+      set(HMOE_GPU_SRC_${_fam}_${_op} "")
+      foreach(k RANGE ${_slast})
+        string(JSON _src GET "${HMOE_GPU_JSON}" kernel_families ${_fam} ops ${_op} ${k})
+        list(APPEND HMOE_GPU_SRC_${_fam}_${_op} ${_src})
+      endforeach()
+    endforeach()
+  endif()
+endforeach()
 
 # --- manifest -------------------------------------------------------------------------------
 # Entries are collected as JSON fragments and written by hmoe_write_manifest().
 set_property(GLOBAL PROPERTY HMOE_MANIFEST_ISA "")
 set_property(GLOBAL PROPERTY HMOE_MANIFEST_KERNELS "")
+set_property(GLOBAL PROPERTY HMOE_MANIFEST_FAMILIES "")
 
 function(_hmoe_json_list out)
   set(_items "")
@@ -77,57 +115,83 @@ function(_hmoe_json_list out)
   set(${out} "[${_joined}]" PARENT_SCOPE)
 endfunction()
 
+# Compile options and include paths every native module shares.
+function(_hmoe_native_target name)
+  target_link_libraries(${name} PRIVATE pybind11::headers)
+  target_include_directories(${name} PRIVATE "${PROJECT_SOURCE_DIR}/include" "${PROJECT_SOURCE_DIR}/cpp")
+  target_compile_definitions(${name} PRIVATE HMOE_MODULE_NAME=${name})
+  # Hidden symbols: two builds of the same code (ISA levels, families) never bind to each other.
+  set_target_properties(${name} PROPERTIES CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON
+                        CUDA_VISIBILITY_PRESET hidden)
+  install(TARGETS ${name} LIBRARY DESTINATION hmoe/_native)
+endfunction()
+
 # hmoe_add_isa_module(<prefix> LEVEL <level> SOURCES ...): one extension module per ISA,
 # named <prefix>_<level>, compiled with that level's flags from arch/cpu.json.
 function(hmoe_add_isa_module prefix)
   cmake_parse_arguments(A "" "LEVEL" "SOURCES" ${ARGN})
   set(_mod ${prefix}_${A_LEVEL})
-  python_add_library(${_mod} MODULE WITH_SOABI ${A_SOURCES})
-  target_link_libraries(${_mod} PRIVATE pybind11::headers)
-  # Hidden symbols: two ISA builds of the same code must never bind to each other's copies.
-  set_target_properties(${_mod} PROPERTIES CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
+  python_add_library(${_mod} MODULE WITH_SOABI ${A_SOURCES} "${PROJECT_SOURCE_DIR}/cpp/bind/tensors.cpp")
+  _hmoe_native_target(${_mod})
   target_compile_options(${_mod} PRIVATE ${HMOE_CPU_FLAGS_${A_LEVEL}})
-  target_compile_definitions(${_mod} PRIVATE HMOE_MODULE_NAME=${_mod} HMOE_ISA=${A_LEVEL}
-                             HMOE_ISA_NAME="${A_LEVEL}")
-  target_include_directories(${_mod} PRIVATE "${PROJECT_SOURCE_DIR}/cpp")
-  install(TARGETS ${_mod} LIBRARY DESTINATION hmoe/_native)
+  target_compile_definitions(${_mod} PRIVATE HMOE_ISA=${A_LEVEL} HMOE_ISA_NAME="${A_LEVEL}")
   _hmoe_json_list(_fl ${HMOE_CPU_FLAGS_${A_LEVEL}})
   set_property(GLOBAL APPEND PROPERTY HMOE_MANIFEST_ISA
                "\"${_mod}\": {\"op\": \"${prefix}\", \"isa\": \"${A_LEVEL}\", \"module\": \"hmoe._native.${_mod}\", \"flags\": ${_fl}}")
 endfunction()
 
-# hmoe_add_cuda_module(<name> FAMILY portable|sm90a KERNELS k1 k2 SOURCES ...)
-function(hmoe_add_cuda_module name)
-  cmake_parse_arguments(A "" "FAMILY" "KERNELS;SOURCES" ${ARGN})
+# hmoe_add_cuda_family(<family>): the family's module (named after it) from the ops gpu.json lists
+# for it, SASS for its targets and PTX where it has one; a family without ops builds nothing and
+# the manifest says so.
+function(hmoe_add_cuda_family fam)
+  _hmoe_json_list(_sass ${HMOE_GPU_SASS_${fam}})
+  _hmoe_json_list(_ptx ${HMOE_GPU_PTX_${fam}})
+  _hmoe_json_list(_ops ${HMOE_GPU_OPS_${fam}})
+  if(NOT HMOE_GPU_OPS_${fam})
+    message(STATUS "hmoe: CUDA family ${fam}: no kernels yet, no module")
+    set_property(GLOBAL APPEND PROPERTY HMOE_MANIFEST_FAMILIES
+                 "\"${fam}\": {\"module\": null, \"ops\": [], \"sass\": ${_sass}, \"ptx\": ${_ptx}}")
+    return()
+  endif()
+  set(_srcs "${PROJECT_SOURCE_DIR}/cuda/family_binding.cpp" "${PROJECT_SOURCE_DIR}/cpp/bind/tensors.cpp")
+  set(_defs "")
+  foreach(op ${HMOE_GPU_OPS_${fam}})
+    foreach(src ${HMOE_GPU_SRC_${fam}_${op}})
+      list(APPEND _srcs "${PROJECT_SOURCE_DIR}/cuda/${src}")
+    endforeach()
+    list(APPEND _defs HMOE_HAS_${op}=1)
+  endforeach()
   set(_archs "")
-  foreach(sm ${HMOE_GPU_SASS_${A_FAMILY}})
+  foreach(sm ${HMOE_GPU_SASS_${fam}})
     list(APPEND _archs "${sm}-real")
   endforeach()
-  if(HMOE_GPU_PTX_${A_FAMILY})
-    list(APPEND _archs "${HMOE_GPU_PTX_${A_FAMILY}}-virtual")
+  if(HMOE_GPU_PTX_${fam})
+    list(APPEND _archs "${HMOE_GPU_PTX_${fam}}-virtual")
   endif()
-  python_add_library(${name} MODULE WITH_SOABI ${A_SOURCES})
-  set_target_properties(${name} PROPERTIES CUDA_ARCHITECTURES "${_archs}"
-                        CUDA_RUNTIME_LIBRARY Static)
-  target_link_libraries(${name} PRIVATE pybind11::headers CUDA::cudart_static)
-  target_compile_options(${name} PRIVATE ${HMOE_CPU_FLAGS_${HMOE_CPU_BASELINE}}
+  python_add_library(${fam} MODULE WITH_SOABI ${_srcs})
+  _hmoe_native_target(${fam})
+  set_target_properties(${fam} PROPERTIES CUDA_ARCHITECTURES "${_archs}" CUDA_RUNTIME_LIBRARY Static)
+  target_link_libraries(${fam} PRIVATE CUDA::cudart_static)
+  target_compile_options(${fam} PRIVATE ${HMOE_CPU_FLAGS_${HMOE_CPU_BASELINE}}
                          $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr>)
-  target_compile_definitions(${name} PRIVATE HMOE_MODULE_NAME=${name})
-  target_include_directories(${name} PRIVATE "${PROJECT_SOURCE_DIR}/cpp" "${PROJECT_SOURCE_DIR}/cuda")
-  install(TARGETS ${name} LIBRARY DESTINATION hmoe/_native)
-  _hmoe_json_list(_sass ${HMOE_GPU_SASS_${A_FAMILY}})
-  _hmoe_json_list(_ptx ${HMOE_GPU_PTX_${A_FAMILY}})
-  foreach(k ${A_KERNELS})
+  target_compile_definitions(${fam} PRIVATE ${_defs})
+  target_include_directories(${fam} PRIVATE "${PROJECT_SOURCE_DIR}/cuda")
+  message(STATUS "hmoe: CUDA family ${fam}: ${HMOE_GPU_OPS_${fam}}; SASS ${HMOE_GPU_SASS_${fam}}; PTX ${HMOE_GPU_PTX_${fam}}")
+  set_property(GLOBAL APPEND PROPERTY HMOE_MANIFEST_FAMILIES
+               "\"${fam}\": {\"module\": \"hmoe._native.${fam}\", \"ops\": ${_ops}, \"sass\": ${_sass}, \"ptx\": ${_ptx}}")
+  foreach(k ${HMOE_GPU_OPS_${fam}})
     set_property(GLOBAL APPEND PROPERTY HMOE_MANIFEST_KERNELS
-                 "\"${k}/${A_FAMILY}\": {\"op\": \"${k}\", \"family\": \"${A_FAMILY}\", \"module\": \"hmoe._native.${name}\", \"sass\": ${_sass}, \"ptx\": ${_ptx}}")
+                 "\"${k}/${fam}\": {\"op\": \"${k}\", \"family\": \"${fam}\", \"module\": \"hmoe._native.${fam}\", \"sass\": ${_sass}, \"ptx\": ${_ptx}}")
   endforeach()
 endfunction()
 
 function(hmoe_write_manifest)
   get_property(_isa GLOBAL PROPERTY HMOE_MANIFEST_ISA)
   get_property(_kern GLOBAL PROPERTY HMOE_MANIFEST_KERNELS)
+  get_property(_fams GLOBAL PROPERTY HMOE_MANIFEST_FAMILIES)
   list(JOIN _isa ",\n    " _isa_j)
   list(JOIN _kern ",\n    " _kern_j)
+  list(JOIN _fams ",\n    " _fams_j)
   execute_process(COMMAND git rev-parse --short=12 HEAD WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}"
                   OUTPUT_VARIABLE _rev OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _rc)
   if(NOT _rc EQUAL 0 OR NOT _rev)
@@ -165,6 +229,9 @@ function(hmoe_write_manifest)
   },
   \"cuda_kernels\": {
     ${_kern_j}
+  },
+  \"cuda_families\": {
+    ${_fams_j}
   }
 }
 ")

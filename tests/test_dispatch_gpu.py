@@ -6,11 +6,12 @@ import types
 import pytest
 
 from hmoe import _native, dispatch
+from hmoe._native import spec
 from hmoe.hardware import gpu
 
 from .hardware import fake_nvml as F
 
-SIGS = {"mla_decode": "mla_decode(q:ptr) -> None"}
+ABI = spec.constants()["abi_version"]
 _names = itertools.count()
 
 
@@ -29,7 +30,7 @@ BOTH = kernels("portable", "sm90a")
 def sel(cc, driver=(13, 0), k=BOTH, **kw):
     kw.setdefault("load_module", False)
     kw.setdefault("build_cuda", "13.0.88")
-    return dispatch.select_gpu("mla_decode", SIGS, cc=cc, driver_cuda=driver,
+    return dispatch.select_gpu("mla_decode", cc=cc, driver_cuda=driver,
                                device_label="cuda:0", kernels=k, **kw)
 
 
@@ -152,7 +153,7 @@ def test_extra_variants(monkeypatch):
         sel("8.0", variant="flashinfer-fa3")
     # Another op: the backend does not apply; from the environment it is ignored.
     monkeypatch.setenv("HMOE_CUDA_VARIANT", "flashinfer-fa3")
-    s = dispatch.select_gpu("grouped_topk", {}, cc="9.0", driver_cuda=(13, 0), kernels=kernels("portable"),
+    s = dispatch.select_gpu("grouped_topk", cc="9.0", driver_cuda=(13, 0), kernels=kernels("portable"),
                             build_cuda="13.0", load_module=False)
     assert s.variant == "portable"
     dispatch.EXTRA_GPU_VARIANTS["plain"] = lambda cc, drv: (True, "ok")
@@ -161,12 +162,14 @@ def test_extra_variants(monkeypatch):
 
 # --- load-time validation ---------------------------------------------------------------------
 
-def fake_module(monkeypatch, abi=_native.ABI_VERSION, sigs=SIGS, broken=False):
+def fake_module(monkeypatch, abi=ABI, sigs=None, consts=None, broken=False):
+    """A module in sys.modules as if imported; by default with the table and constants the spec wants."""
     name = f"fake_gpu_mod_{next(_names)}"
     m = types.ModuleType(f"hmoe._native.{name}")
     if not broken:
         m.abi_version = lambda: abi
-        m.signatures = lambda: dict(sigs)
+        m.signatures = lambda: dict(_native.expected_table(name) if sigs is None else sigs)
+        m.constants = lambda: dict(spec.constants() if consts is None else consts)
     monkeypatch.setitem(sys.modules, f"hmoe._native.{name}", m)
     return name
 
@@ -178,9 +181,9 @@ def test_load_ok(monkeypatch):
     assert s.variant == "sm90a" and _native.is_loaded(good)
 
 
-@pytest.mark.parametrize("bad", [dict(abi=_native.ABI_VERSION + 1),
-                                 dict(sigs={"mla_decode": "mla_decode(q:ptr, old:i32) -> None"}),
-                                 dict(sigs={}), dict(broken=True)])
+@pytest.mark.parametrize("bad", [dict(abi=ABI + 1),
+                                 dict(sigs={"prewarm": "prewarm(device:i32, old:i32) -> None"}),
+                                 dict(sigs={}), dict(consts={"abi_version": ABI}), dict(broken=True)])
 def test_signature_mismatch_falls_back(monkeypatch, bad):
     good, wrong = fake_module(monkeypatch), fake_module(monkeypatch, **bad)
     s = sel("9.0", k=kernels("portable", "sm90a", mod={"portable": good, "sm90a": wrong}),
@@ -209,24 +212,25 @@ def test_forced_family_with_bad_module_raises(monkeypatch):
         sel("9.0", k=kernels("portable", mod={"portable": wrong}), variant="portable", load_module=True)
 
 
-def test_per_family_signature_tables(monkeypatch):
-    other = {"mla_decode_sm90a": "mla_decode_sm90a(q:ptr) -> None"}
-    a, p = fake_module(monkeypatch, sigs=other), fake_module(monkeypatch)
-    s = dispatch.select_gpu("mla_decode", {"sm90a": other, "portable": SIGS}, cc="9.0",
-                            driver_cuda=(13, 0), kernels=kernels("portable", "sm90a",
-                                                                 mod={"portable": p, "sm90a": a}),
-                            build_cuda="13.0")
-    assert s.variant == "sm90a"
+def test_a_family_table_holds_its_ops(monkeypatch):
+    # A CUDA family's table: prewarm plus the entry points of the ops it was built with.
+    from hmoe import _build_info
+
+    fams = {"fam_a": {"ops": ["mla_decode"]}, "fam_b": {"ops": ["grouped_topk"]}}
+    monkeypatch.setattr(_build_info, "_manifest", lambda: {"cuda_families": fams})
+    a, b = _native.expected_table("fam_a"), _native.expected_table("fam_b")
+    assert {"prewarm", "mla_decode", "mla_decode_plan", "mla_decode_check"} == set(a)
+    assert {"prewarm", "grouped_topk"} == set(b)
 
 
 def test_installed_manifest_is_the_default():
     # Whatever this machine built: grouped_topk's CUDA kernel, or a clear HMOE_CUDA=OFF.
     try:
-        s = dispatch.select_gpu("grouped_topk", {}, cc="9.0", driver_cuda=(99, 0), load_module=False)
+        s = dispatch.select_gpu("grouped_topk", cc="9.0", driver_cuda=(99, 0), load_module=False)
     except dispatch.NoGpuVariant as e:
         assert "HMOE_CUDA=OFF" in e.reason
     else:
-        assert s.variant == "portable" and s.module == "cuda_ops"
+        assert s.variant == "portable" and s.module == "portable"
 
 
 # --- select_gpu_for_device ----------------------------------------------------------------------
@@ -246,7 +250,7 @@ def nvml_hook(monkeypatch):
 def test_for_device_uses_nvml(nvml_hook, monkeypatch):
     nvml_hook(F.make([F.A100, F.H200]))
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    s = dispatch.select_gpu_for_device("grouped_topk", {}, 1, load_module=False)
+    s = dispatch.select_gpu_for_device("grouped_topk", 1, load_module=False)
     assert s.device == "cuda:1 (NVIDIA H200, 9.0)" and s.variant == "portable" or \
         pytest.skip("this build has no CUDA kernels")
 
@@ -254,14 +258,14 @@ def test_for_device_uses_nvml(nvml_hook, monkeypatch):
 def test_for_device_old_driver(nvml_hook):
     nvml_hook(F.make([F.H200], cuda=12020, driver="535.104.05"))
     with pytest.raises(dispatch.NoGpuVariant, match="(driver too old|HMOE_CUDA=OFF)"):
-        dispatch.select_gpu_for_device("grouped_topk", {}, 0, load_module=False)
+        dispatch.select_gpu_for_device("grouped_topk", 0, load_module=False)
 
 
 def test_for_device_no_driver(nvml_hook, monkeypatch):
     nvml_hook(F.make([F.H200], init_error=F.NVMLError_DriverNotLoaded))
     monkeypatch.setattr(dispatch, "_torch_capability", lambda o, may_init: None)
     with pytest.raises(dispatch.NoGpuVariant, match="no CUDA device 0: the NVIDIA kernel driver"):
-        dispatch.select_gpu_for_device("grouped_topk", {}, 0, load_module=False)
+        dispatch.select_gpu_for_device("grouped_topk", 0, load_module=False)
 
 
 def test_for_device_hidden_by_cuda_visible_devices(nvml_hook, monkeypatch):
@@ -269,7 +273,7 @@ def test_for_device_hidden_by_cuda_visible_devices(nvml_hook, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(dispatch, "_torch_capability", lambda o, may_init: None)
     with pytest.raises(dispatch.NoGpuVariant, match="empty"):
-        dispatch.select_gpu_for_device("grouped_topk", {}, 0, load_module=False)
+        dispatch.select_gpu_for_device("grouped_topk", 0, load_module=False)
 
 
 def test_for_device_torch_fallback_and_override(nvml_hook, monkeypatch):
@@ -282,9 +286,9 @@ def test_for_device_torch_fallback_and_override(nvml_hook, monkeypatch):
     monkeypatch.setattr(dispatch, "_torch_capability", torch_cc)
     monkeypatch.setattr(dispatch, "_build_info", types.SimpleNamespace(
         cuda_kernels_for=lambda op: kernels("portable"), _manifest=lambda: {"cuda_version": "13.0"}))
-    s = dispatch.select_gpu_for_device("mla_decode", SIGS, 0, load_module=False)
+    s = dispatch.select_gpu_for_device("mla_decode", 0, load_module=False)
     assert asked == [True] and s.reason == "fallback: sm_80 SASS on 8.6 (same major)"
     # NVML says 9.0 but torch (already initialised) says 8.6: torch wins.
     nvml_hook(F.make([F.H200]))
-    s = dispatch.select_gpu_for_device("mla_decode", SIGS, 0, load_module=False)
+    s = dispatch.select_gpu_for_device("mla_decode", 0, load_module=False)
     assert asked[-1] is False and s.target == "sm_80"

@@ -127,8 +127,9 @@ def test_parameters_are_plain_tensors():
 
 
 def test_conjugate_view_refused():
+    # Only complex tensors carry a conjugate bit, and no hmoe kernel takes complex data.
     z = torch.randn(3, dtype=torch.complex64).conj()
-    with pytest.raises(ValueError, match="z is a lazily negated/conjugated view"):
+    with pytest.raises(TypeError, match="z must have dtype .*; got complex64"):
         V.tensor("z", z)
 
 
@@ -139,21 +140,13 @@ def test_sparse_refused():
 
 @pytest.mark.parametrize("value, exc", [(1e39, ValueError), (-1e39, ValueError), (float("inf"), ValueError),
                                         (float("nan"), ValueError), (True, TypeError), ("1", TypeError)])
-def test_f32_arg(value, exc):
-    with pytest.raises(exc, match="scale"):
-        V.f32_arg("scale", value)
+def test_float_arguments(value, exc):
     with pytest.raises(exc, match="routed_scaling_factor"):
         hmoe.ops.grouped_topk(torch.randn(2, 8), 2, routed_scaling_factor=value)
 
 
-@pytest.mark.parametrize("value, exc", [(2 ** 31, ValueError), (-1, ValueError), (1.0, TypeError), (False, TypeError)])
-def test_int_arg(value, exc):
+@pytest.mark.parametrize("value, exc", [(2 ** 31, ValueError), (2 ** 70, ValueError), (-1, ValueError), (1.0, TypeError),
+                                        (False, TypeError)])
+def test_int_arguments(value, exc):
     with pytest.raises(exc, match="top_k"):
         hmoe.ops.grouped_topk(torch.randn(2, 8), value)
-
-
-def test_disjoint():
-    buf = torch.zeros(100)
-    V.disjoint("out", buf[:50], {"a": buf[50:], "none": None})
-    with pytest.raises(ValueError, match="out overlaps a"):
-        V.disjoint("out", buf[:50], {"a": buf[49:]})

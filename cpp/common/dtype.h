@@ -1,34 +1,12 @@
-// Dtype codes shared by every native module, and exact scalar conversions (no intrinsics).
+// Exact scalar conversions between fp32 and the 16-bit float types (no intrinsics); the dtype
+// codes themselves are include/hmoe/dtype.h.
 #pragma once
 #include <cstdint>
 #include <cstring>
 
+#include "hmoe/dtype.h"
+
 namespace hmoe {
-
-// The codes are part of the ABI: python/hmoe/_dtypes.py holds the same table.
-enum DType : int32_t {
-  kF32 = 0,
-  kF16 = 1,
-  kBF16 = 2,
-  kI32 = 3,
-  kI64 = 4,
-};
-
-inline const char* dtype_name(int32_t code) {
-  switch (code) {
-    case kF32: return "float32";
-    case kF16: return "float16";
-    case kBF16: return "bfloat16";
-    case kI32: return "int32";
-    case kI64: return "int64";
-    default: return "unknown";
-  }
-}
-
-inline bool is_float_dtype(int32_t code) { return code == kF32 || code == kF16 || code == kBF16; }
-inline int64_t dtype_size(int32_t code) {
-  return code == kF32 || code == kI32 ? 4 : code == kI64 ? 8 : 2;
-}
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;

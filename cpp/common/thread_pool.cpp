@@ -2,7 +2,6 @@
 #include "common/thread_pool.h"
 
 #include <pthread.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -56,15 +55,6 @@ ThreadPool& ThreadPool::instance() {
   if (g_pool.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
   delete fresh;
   return *pool;
-}
-
-int ThreadPool::usable_cores() {
-#ifdef __linux__
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
 }
 
 void ThreadPool::ensure_workers(int n) {

@@ -30,8 +30,6 @@ class ThreadPool {
   // (its workers do not exist there and its mutexes and condition variables may be held by
   // them or list them as waiters: using it would hang) and a new one is made on first use.
   static ThreadPool& instance();
-  // Threads usable by this process (sched affinity), at least 1.
-  static int usable_cores();
 
  private:
   ThreadPool() = default;

@@ -4,19 +4,18 @@
 #include <stdexcept>
 #include <string>
 
-#include "common/abi.h"
+#include "bind/module.h"
 #include "common/thread_pool.h"
+#include "experts/experts_entry.h"
 #include "experts/gemm.h"
 #include "experts/moe_experts.h"
 #include "experts/pack.h"
 
 namespace py = pybind11;
+namespace hb = hmoe::bind;
 using hmoe::MoeParams;
 
 namespace {
-
-template <typename T>
-T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 template <class T = hmoe::isa::Tiles>
 void check_ready() {
@@ -26,9 +25,21 @@ void check_ready() {
   }
 }
 
-void check_dtypes(int32_t x_dtype, int32_t w_dtype) {
-  if (!hmoe::is_float_dtype(x_dtype)) throw std::invalid_argument("x: unsupported dtype code " + std::to_string(x_dtype));
-  if (!hmoe::is_float_dtype(w_dtype)) throw std::invalid_argument("w13/w2: unsupported dtype code " + std::to_string(w_dtype));
+void check_weight_dtype(int32_t w_dtype) {
+  if (!hmoe::is_float_dtype(w_dtype))
+    throw std::invalid_argument("w13/w2: unsupported dtype code " + std::to_string(w_dtype));
+}
+
+// Runs p (weights and tokens set) into `out` or a new [T, H] tensor of x's dtype.
+py::object run(MoeParams& p, py::handle out, const hb::TensorArg& w13, const hb::TensorArg& w2, int32_t num_threads) {
+  check_ready();
+  py::object result = hb::expert_output(out, w13, w2, p);
+  p.num_threads = num_threads;
+  if (p.T > 0) {
+    py::gil_scoped_release nogil;
+    hmoe::HMOE_ISA::run_moe(p);  // an expert id outside [0, E): std::invalid_argument -> ValueError
+  }
+  return result;
 }
 
 }  // namespace
@@ -36,53 +47,58 @@ void check_dtypes(int32_t x_dtype, int32_t w_dtype) {
 PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   m.doc() = "hmoe CPU MoE experts, ISA level " HMOE_ISA_NAME;
   m.attr("isa") = HMOE_ISA_NAME;
-  m.def("abi_version", [] { return HMOE_ABI_VERSION; });
-  m.def("signatures", [] {
-    py::dict d;
-    d["moe_experts"] =
-        "moe_experts(x:ptr, x_dtype:i32, topk_ids:ptr, ids_dtype:i32, topk_weights:ptr, w13:ptr, w2:ptr, "
-        "w_dtype:i32, packed:i32, out:ptr, T:i64, K:i64, E:i64, H:i64, I:i64, num_threads:i32)";
-    d["packed_bytes"] = "packed_bytes(w_dtype:i32, H:i64, I:i64) -> (w13_bytes_per_expert, w2_bytes_per_expert)";
-    d["pack_weights"] =
-        "pack_weights(w13:ptr, w2:ptr, w_dtype:i32, E:i64, H:i64, I:i64, dst13:ptr, dst2:ptr, num_threads:i32)";
-    return d;
-  });
-  m.def("usable_cores", &hmoe::ThreadPool::usable_cores);
+  hb::def_common(m, "experts", [](const char*) { return true; });
 
-  m.def("moe_experts", [](uintptr_t x, int32_t x_dtype, uintptr_t ids, int32_t ids_dtype, uintptr_t topk_w,
-                          uintptr_t w13, uintptr_t w2, int32_t w_dtype, int32_t packed, uintptr_t out, int64_t T,
-                          int64_t K, int64_t E, int64_t H, int64_t I, int32_t num_threads) {
-    check_dtypes(x_dtype, w_dtype);
-    if (ids_dtype != hmoe::kI32 && ids_dtype != hmoe::kI64) throw std::invalid_argument("topk_ids: unsupported dtype code");
-    if (T < 0 || K < 1 || E < 1 || H < 1 || I < 1) throw std::invalid_argument("moe_experts: bad sizes");
-    check_ready();
-    MoeParams p{ptr<const void>(x), x_dtype, ptr<const void>(ids), ids_dtype, ptr<const float>(topk_w),
-                ptr<const void>(w13), ptr<const void>(w2), w_dtype, packed, ptr<void>(out), T, K, E, H, I, num_threads};
-    py::gil_scoped_release nogil;
-    hmoe::HMOE_ISA::run_moe(p);
+  HMOE_DEF(m, moe_experts, {
+    const hb::ExpertWeights w = hb::expert_weights(w13, w2);
+    MoeParams p{};
+    hb::expert_tokens(x, topk_ids, topk_weights, w.H, p);
+    p.w13 = w.w13.data, p.w2 = w.w2.data, p.w_dtype = w.w13.dtype, p.packed = 0;
+    p.E = w.E, p.H = w.H, p.I = w.I;
+    return run(p, out, w.w13, w.w2, num_threads);
   });
 
-  m.def("packed_bytes", [](int32_t w_dtype, int64_t H, int64_t I) {
-    check_dtypes(hmoe::kF32, w_dtype);
+  HMOE_DEF(m, moe_experts_packed, {
+    check_weight_dtype(w_dtype);
+    if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("moe_experts_packed: bad sizes");
+    const hb::TensorArg a = hb::tensor(w13, "w13 (packed)", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
+    const hb::TensorArg b = hb::tensor(w2, "w2 (packed)", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
+    if (a.numel != E * hmoe::packed_w13_bytes(w_dtype, H, I) || b.numel != E * hmoe::packed_w2_bytes(w_dtype, H, I))
+      throw std::invalid_argument("moe_experts_packed: the packed weights do not match E, H, I and their dtype");
+    MoeParams p{};
+    hb::expert_tokens(x, topk_ids, topk_weights, H, p);
+    p.w13 = a.data, p.w2 = b.data, p.w_dtype = w_dtype, p.packed = 1, p.E = E, p.H = H, p.I = I;
+    return run(p, out, a, b, num_threads);
+  });
+
+  HMOE_DEF(m, packed_bytes, {
+    check_weight_dtype(w_dtype);
     return py::make_tuple(hmoe::packed_w13_bytes(w_dtype, H, I), hmoe::packed_w2_bytes(w_dtype, H, I));
   });
 
-  m.def("pack_weights", [](uintptr_t w13, uintptr_t w2, int32_t w_dtype, int64_t E, int64_t H, int64_t I,
-                           uintptr_t dst13, uintptr_t dst2, int32_t num_threads) {
-    check_dtypes(hmoe::kF32, w_dtype);
-    const int64_t ws = hmoe::dtype_size(w_dtype);
-    const int64_t b13 = hmoe::packed_w13_bytes(w_dtype, H, I), b2 = hmoe::packed_w2_bytes(w_dtype, H, I);
+  HMOE_DEF(m, pack_weights, {
+    const hb::ExpertWeights w = hb::expert_weights(w13, w2);
+    const int32_t dt = w.w13.dtype;
+    const int64_t E = w.E, H = w.H, I = w.I, ws = hmoe::dtype_size(dt);
+    const int64_t b13 = hmoe::packed_w13_bytes(dt, H, I), b2 = hmoe::packed_w2_bytes(dt, H, I);
+    void *dst13 = nullptr, *dst2 = nullptr;
+    py::object p13 = hb::empty({E * b13}, hmoe::kU8, -1, &dst13);
+    py::object p2 = hb::empty({E * b2}, hmoe::kU8, -1, &dst2);
     const int64_t nb13 = 2 * hmoe::ceil_div(I, hmoe::kBlockN), nb2 = hmoe::ceil_div(H, hmoe::kBlockN);
-    py::gil_scoped_release nogil;
-    // One task per (expert, matrix) keeps every thread busy for few, large experts too.
-    hmoe::ThreadPool::instance().parallel_for(2 * E, num_threads, [&](int64_t t, int) {
-      const int64_t e = t / 2;
-      if (t % 2 == 0) {
-        hmoe::pack_w13_blocks(ptr<const char>(w13) + e * 2 * I * H * ws, w_dtype, H, I, 0, nb13,
-                              ptr<char>(dst13) + e * b13);
-      } else {
-        hmoe::pack_w2_blocks(ptr<const char>(w2) + e * H * I * ws, w_dtype, H, I, 0, nb2, ptr<char>(dst2) + e * b2);
-      }
-    });
+    const char* src13 = static_cast<const char*>(w.w13.data);
+    const char* src2 = static_cast<const char*>(w.w2.data);
+    {
+      py::gil_scoped_release nogil;
+      // One task per (expert, matrix) keeps every thread busy for few, large experts too.
+      hmoe::ThreadPool::instance().parallel_for(2 * E, num_threads, [&](int64_t t, int) {
+        const int64_t e = t / 2;
+        if (t % 2 == 0) {
+          hmoe::pack_w13_blocks(src13 + e * 2 * I * H * ws, dt, H, I, 0, nb13, static_cast<char*>(dst13) + e * b13);
+        } else {
+          hmoe::pack_w2_blocks(src2 + e * H * I * ws, dt, H, I, 0, nb2, static_cast<char*>(dst2) + e * b2);
+        }
+      });
+    }
+    return py::make_tuple(p13, p2);
   });
 }

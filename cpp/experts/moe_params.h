@@ -1,25 +1,11 @@
-// Plain params struct for the CPU MoE experts op and the packed weight layout shared by every ISA.
+// The packed weight layout shared by every ISA variant of the experts op (params: include/hmoe/experts.h).
 #pragma once
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "hmoe/experts.h"
 
 namespace hmoe {
-
-struct MoeParams {
-  const void* x;             // [T, H], x_dtype
-  int32_t x_dtype;
-  const void* topk_ids;      // [T, K], ids_dtype (int32 or int64)
-  int32_t ids_dtype;
-  const float* topk_weights; // [T, K]
-  const void* w13;           // [E, 2I, H] row-major, or packed (see below)
-  const void* w2;            // [E, H, I] row-major, or packed
-  int32_t w_dtype;
-  int32_t packed;            // 1: w13/w2 hold the packed layout
-  void* out;                 // [T, H], x_dtype
-  int64_t T, K, E, H, I;
-  int32_t num_threads;
-};
 
 // Packed layout. A weight matrix W[N, Kd] (N output columns, Kd reduction) is stored as
 // blocks of kBlockN = 16 output columns; each block holds all of Kd:

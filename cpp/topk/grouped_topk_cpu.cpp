@@ -1,5 +1,7 @@
 // CPU variant of grouped_topk (DeepseekV2/V3 group-limited routing), single-threaded, fp32 math.
 #include "topk/grouped_topk.h"
+
+#include "common/dtype.h"
 #include "topk/grouped_topk_rules.h"
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include "mla/mla_params.h"
+#include "hmoe/mla_decode.h"
 
 namespace hmoe {
 

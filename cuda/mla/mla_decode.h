@@ -1,8 +1,9 @@
-// Host entry points of the portable MLA decode kernel (mma.sync + cp.async, sm_80 and newer).
+// Host entry points of an MLA decode kernel family: every family (cuda/mla/mla_decode_<family>.cu)
+// implements these three for its module.
 #pragma once
 #include <cstdint>
 
-#include "mla/mla_params.h"
+#include "hmoe/mla_decode.h"
 
 namespace hmoe {
 
@@ -17,7 +18,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
 // Launches on `stream` (asynchronous) as `plan` says (p.num_splits = plan.num_splits). Throws
 // std::invalid_argument for a plan that does not fit p or the device, std::runtime_error on a
 // CUDA error.
-void mla_decode_portable(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream);
+void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream);
 
 // Sets the shared-memory attributes of every configuration on `device` (lazy work that must
 // not happen inside CUDA-graph capture).

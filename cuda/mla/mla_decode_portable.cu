@@ -561,7 +561,7 @@ void mla_decode_prewarm(int device) {
   mla_combine_prewarm();
 }
 
-void mla_decode_portable(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle) {
+void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle) {
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "mla/mla_params.h"
+#include "hmoe/mla_decode.h"
 
 namespace hmoe {
 namespace mla {

@@ -1,7 +1,5 @@
-"""torch dtype <-> native dtype code (must match cpp/common/dtype.h)."""
+"""torch dtype -> native dtype code (the codes of include/hmoe/constants.h)."""
 from __future__ import annotations
-
-F32, F16, BF16, I32, I64 = 0, 1, 2, 3, 4
 
 _CODES: dict = {}
 
@@ -13,8 +11,11 @@ def code(dtype) -> int:
         pass
     import torch
 
-    _CODES.update({torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16,
-                   torch.int32: I32, torch.int64: I64})
+    from ._native import spec
+
+    c = spec.constants()
+    _CODES.update({getattr(torch, n): c[f"dtype_{n}"] for n in ("float32", "float16", "bfloat16", "int32", "int64",
+                                                                "uint8")})
     try:
         return _CODES[dtype]
     except KeyError:

@@ -9,9 +9,11 @@ def prewarm(device=None) -> None:
     shared-memory limits. Safe to call many times; a call inside graph capture is refused by
     the ops themselves, so call this before capturing. `device`: None, an int ordinal, a
     string like "cuda:1" or "cpu", or a torch.device."""
+    from . import _native
     from .ops import experts as _experts
 
     _experts.module(_experts.select())
+    _native.bind("cpu_core")
     from . import validation as V
 
     torch = V.torch_module()
@@ -30,7 +32,8 @@ def prewarm(device=None) -> None:
     from .ops import _cuda
 
     index = _cuda.device_index(torch, device)
-    _cuda.prewarm(index)
+    for op in ("grouped_topk", "mla_decode"):
+        _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
     sel = _cuda.select("mla_decode", index)
     if not sel.module:  # a flashinfer variant: its JIT build and self-check, outside any graph capture
         from .ops import mla_flashinfer

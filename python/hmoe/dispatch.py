@@ -29,7 +29,7 @@ def _cpu_candidates(op: str):
     return [lv for lv in _cpu.levels() if lv["name"] in built], built
 
 
-def select_cpu(op: str, signatures: dict, isa: str | None = None, info=None,
+def select_cpu(op: str, isa: str | None = None, info=None,
                load_module: bool = True) -> Selection:
     """Pick the CPU variant of `op`: forced by `isa` or $HMOE_CPU_ISA, else the best level this
     CPU and OS can run whose module loads and passes its signature check."""
@@ -53,7 +53,7 @@ def select_cpu(op: str, signatures: dict, isa: str | None = None, info=None,
                              f"{', '.join(lv['name'] for lv in candidates if not _cpu.missing_requirements(lv, info)) or 'none'}")
         module = module_name(built[forced])
         if load_module:
-            load(module, signatures)  # NativeModuleError propagates: the user asked for this one
+            load(module)  # NativeModuleError propagates: the user asked for this one
         return Selection(op, forced, module, f"forced by {source}{forced}")
 
     if info is None:
@@ -70,7 +70,7 @@ def select_cpu(op: str, signatures: dict, isa: str | None = None, info=None,
         module = module_name(built[name])
         if load_module:
             try:
-                load(module, signatures)
+                load(module)
             except NativeModuleError as e:
                 skipped.append(f"{name}: {e}")
                 load_failed = True
@@ -87,8 +87,10 @@ def select_cpu(op: str, signatures: dict, isa: str | None = None, info=None,
 
 
 # --- GPU ------------------------------------------------------------------------------------
-# Families tried first come first; a family missing here is tried after these, by name.
-GPU_FAMILY_RANK = ("sm90a", "portable")
+def family_rank() -> tuple:
+    """Kernel families in the order they are tried (arch/gpu.json's family_rank); a family the
+    list leaves out is tried after these, by name."""
+    return tuple(_arch.load("gpu").get("family_rank", ()))
 
 # Backends outside hmoe's own modules (e.g. "flashinfer-fa2"), selectable only when forced:
 # name -> callable(cc: (major, minor), driver_cuda: (major, minor) | None) -> (ok, reason).
@@ -190,12 +192,6 @@ def _plan_family(entry: dict, cc, driver_cuda, build_cuda):
     return False, "", f"unsupported: built for {built}; none runs on {ccs}"
 
 
-def _table_for(signatures: dict, family: str) -> dict:
-    """`signatures` is one table for every family, or family -> table."""
-    sub = signatures.get(family)
-    return sub if isinstance(sub, dict) else signatures
-
-
 _FROM_MANIFEST = "manifest"
 
 
@@ -207,18 +203,19 @@ def _gpu_kernels(op: str, kernels, build_cuda):
     return kernels, _version(build_cuda)
 
 
-def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str = "cuda",
+def select_gpu(op: str, *, cc, driver_cuda, device_label: str = "cuda",
                variant: str | None = None, load_module: bool = True, kernels: dict | None = None,
-               build_cuda=_FROM_MANIFEST) -> Selection:
+               build_cuda=_FROM_MANIFEST, use_env: bool = True) -> Selection:
     """Pick the GPU variant of `op` for a device of compute capability `cc` ((9, 0) or "9.0")
     whose driver supports CUDA `driver_cuda` ((13, 0); None: unknown, not checked).
 
     Families built for `op` (kernels: family -> {"sass", "ptx", "module"}; default: this
     installation's manifest; build_cuda: the CUDA version they were built with, default the
-    manifest's, None for a build without CUDA) are ranked sm90a, then portable;
+    manifest's, None for a build without CUDA) are ranked by arch/gpu.json (family_rank);
     one that the device cannot run, or whose module fails to load or its signature check,
     is skipped and the reason says so. `variant` or $HMOE_CUDA_VARIANT forces a family or a
-    registered backend (EXTRA_GPU_VARIANTS): ValueError when it cannot run here.
+    registered backend (EXTRA_GPU_VARIANTS): ValueError when it cannot run here; use_env=False
+    ignores $HMOE_CUDA_VARIANT (hmoe's own choice among its families).
     NoGpuVariant (a RuntimeError) when nothing can: its .reason is the one-line decision.
     """
     from .hardware.gpu import parse_cc
@@ -227,7 +224,7 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
     driver_cuda = _version(driver_cuda)
     ccs = f"{cc[0]}.{cc[1]}"
     forced, source = (variant, "variant=") if variant else \
-        (os.environ.get("HMOE_CUDA_VARIANT") or None, "HMOE_CUDA_VARIANT=")
+        ((os.environ.get("HMOE_CUDA_VARIANT") if use_env else None) or None, "HMOE_CUDA_VARIANT=")
     note = ""
 
     def refuse(why: str, fix: str | None = None):
@@ -277,12 +274,12 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
             refuse(why)
         module = module_name(kernels[forced])
         if load_module:
-            load(module, _table_for(signatures, forced))  # the user asked for this one
+            load(module)  # the user asked for this one
         return Selection(op, forced, module, f"forced by {source}{forced}: {why}",
                          device=device_label, target=target)
 
-    ranked = [f for f in GPU_FAMILY_RANK if f in kernels] + \
-        sorted(f for f in kernels if f not in GPU_FAMILY_RANK)
+    rank = family_rank()
+    ranked = [f for f in rank if f in kernels] + sorted(f for f in kernels if f not in rank)
     cannot, refused, elsewhere = [], [], []
     for family in ranked:
         ok, target, why = _plan_family(kernels[family], cc, driver_cuda, build_cuda)
@@ -295,7 +292,7 @@ def select_gpu(op: str, signatures: dict, *, cc, driver_cuda, device_label: str 
         module = module_name(kernels[family])
         if load_module:
             try:
-                load(module, _table_for(signatures, family))
+                load(module)
             except NativeModuleError as e:
                 refused.append(f"{family} refused: {e}")
                 log.warning("hmoe: %s GPU variant %s refused on %s: %s", op, family, device_label, e)
@@ -338,7 +335,7 @@ def _torch_capability(ordinal: int, *, may_init: bool):
         return None
 
 
-def select_gpu_for_device(op: str, signatures: dict, device_ordinal: int, variant: str | None = None,
+def select_gpu_for_device(op: str, device_ordinal: int, variant: str | None = None, use_env: bool = True,
                           *, load_module: bool = True) -> Selection:
     """select_gpu for CUDA device `device_ordinal`, with cc and driver from NVML (hmoe.hardware.
     gpu). Where NVML cannot tell (not installed, no such ordinal in its mapping), the compute
@@ -359,5 +356,5 @@ def select_gpu_for_device(op: str, signatures: dict, device_ordinal: int, varian
         why = det.reason or "; ".join(det.notes) or \
             f"NVML lists {len(det.visible)} visible CUDA device(s)"
         raise NoGpuVariant(f"no CUDA device {device_ordinal}: {why}")
-    return select_gpu(op, signatures, cc=cc, driver_cuda=det.driver_cuda, device_label=label,
+    return select_gpu(op, cc=cc, driver_cuda=det.driver_cuda, device_label=label, use_env=use_env,
                       variant=variant, load_module=load_module)

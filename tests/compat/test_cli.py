@@ -31,19 +31,15 @@ def cli(*args, pythonpath=None, cwd=None, env_extra=None):
                           cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def test_fast_plain_and_ok_without_gpu(tmp_path):
-    best = None
-    for _ in range(2):  # the best of two: the first may pay for cold file caches
-        t0 = time.perf_counter()
-        p = cli(cwd=tmp_path)
-        best = min(best or 1e9, time.perf_counter() - t0)
+def test_plain_and_ok_without_gpu(tmp_path):
+    # Speed is the benchmarks' business; cli()'s timeout (120 s) only catches a hang.
+    p = cli(cwd=tmp_path)
     assert "\033[" not in p.stdout and "== selected variant per device and op" in p.stdout
     if gpu.detect(refresh=True).visible:
         # With GPUs a CUDA torch imports slower and the verdict depends on the machine.
         assert p.returncode in (0, 1), p.stdout + p.stderr
         return
     assert p.returncode == 0 and "== problems\n  none" in p.stdout, p.stdout + p.stderr
-    assert best < 2.0, f"compat check took {best:.2f} s"
 
 
 def test_json_validates(tmp_path):

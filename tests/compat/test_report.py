@@ -11,7 +11,7 @@ import pytest
 
 import hmoe
 from hmoe import _native, compat
-from hmoe._native import signatures
+from hmoe._native import spec
 from hmoe.compat import render
 
 from ..hardware import fake_nvml as F
@@ -151,15 +151,17 @@ def test_uuids_in_cuda_visible_devices(env, monkeypatch):
 
 
 def test_simulated_gpus_and_cpu(env):
-    rep, text = run(simulate_gpu=["8.6", "9.0", "10.0", "7.5"], simulate_cpu="avx2")
-    assert rep["simulated"] == {"gpu": ["8.6", "9.0", "10.0", "7.5"], "cpu": "avx2"}
+    rep, text = run(simulate_gpu=["8.6", "9.0", "10.0", "7.5", "12.0", "12.1"], simulate_cpu="avx2")
+    assert rep["simulated"] == {"gpu": ["8.6", "9.0", "10.0", "7.5", "12.0", "12.1"], "cpu": "avx2"}
     assert rep["gpus"]["simulated"] and rep["cpu"]["simulated"]
     assert rows(rep, "cpu")[0]["variant"] == "avx2"
     if HAS_CUDA:
         reasons = {r["device"]: r["reason"] for r in rep["selections"] if r["device"] != "cpu"}
         assert reasons["cuda:0 (simulated GPU, 8.6)"] == "fallback: sm_80 SASS on 8.6 (same major)"
-        assert reasons["cuda:2 (simulated GPU, 10.0)"] == "fallback: PTX JIT (compute_90) on 10.0"
+        assert reasons["cuda:2 (simulated GPU, 10.0)"] == "native: sm_100 SASS"
         assert reasons["cuda:3 (simulated GPU, 7.5)"] == "unsupported: 7.5 < 8.0"
+        assert reasons["cuda:4 (simulated GPU, 12.0)"] == "native: sm_120 SASS"
+        assert reasons["cuda:5 (simulated GPU, 12.1)"] == "fallback: sm_120 SASS on 12.1 (same major)"
     assert rep["exit_code"] == 1 and "[simulated]" in text
 
 
@@ -194,8 +196,12 @@ def test_missing_module_file(env, monkeypatch):
 
 
 def test_mismatched_signature_table(env, monkeypatch):
-    bad = dict(signatures.EXPERTS, moe_experts="moe_experts(x:ptr) -> None")
-    monkeypatch.setattr(signatures, "EXPERTS", bad)
+    real = _native.expected_table
+
+    def expected(name):  # as if the installed spec wanted another moe_experts
+        table = real(name)
+        return dict(table, moe_experts="moe_experts(x:ptr) -> None") if "moe_experts" in table else table
+    monkeypatch.setattr(_native, "expected_table", expected)
     rep, text = run()
     loaded = [r for r in rep["variants"] if r["ops"] == ["experts"] and r["status"] != "not_loaded"]
     assert loaded and all(r["status"] == "signature_mismatch" for r in loaded)
@@ -206,8 +212,9 @@ def test_mismatched_signature_table(env, monkeypatch):
 
 def test_module_from_another_version(env, monkeypatch):
     fake = types.ModuleType("hmoe._native.cpu_core")
-    fake.abi_version = lambda: _native.ABI_VERSION + 1
-    fake.signatures = lambda: dict(signatures.CPU_CORE)
+    fake.abi_version = lambda: spec.constants()["abi_version"] + 1
+    fake.signatures = lambda: _native.expected_table("cpu_core")
+    fake.constants = spec.constants
     monkeypatch.setitem(sys.modules, "hmoe._native.cpu_core", fake)
     rep, text = run()
     row = next(r for r in rep["variants"] if r["module"] == "cpu_core")

@@ -287,20 +287,18 @@ def test_empty_batch_and_accepted_types(device):
     assert w.shape == (3, 2)
 
 
-def test_native_guard_rejects_bad_codes():
-    from hmoe._native import load
-    from hmoe._native.signatures import CPU_CORE
+def test_native_entry_checks_what_python_passes_through():
+    # The module's entry point is where the checks live: called directly, it refuses the same.
+    from hmoe import _native
 
-    core = load("cpu_core", CPU_CORE)
+    core = _native.bind("cpu_core")
     x = torch.randn(2, 8)
-    w = torch.empty(2, 2)
-    ids = torch.empty(2, 2, dtype=torch.int32)
-    base = [x.data_ptr(), 0, 0, 0, w.data_ptr(), ids.data_ptr(), 2, 8, 2, 1, 1, 0, True, 1.0]
-    for pos, bad, what in [(1, 7, "logits_dtype"), (11, 5, "scoring"), (8, 9, "top_k"),
-                           (9, 3, "n_group")]:
+    base = [x, 2, 1, 1, "softmax", None, True, 1.0]
+    for pos, bad, exc, what in [(0, x.double(), TypeError, "router_logits"), (4, "relu", ValueError, "scoring"),
+                                (1, 9, ValueError, "top_k"), (2, 3, ValueError, "n_group")]:
         args = list(base)
         args[pos] = bad
-        with pytest.raises(ValueError, match=what):
+        with pytest.raises(exc, match=what):
             core.grouped_topk(*args)
 
 
@@ -382,7 +380,7 @@ def test_cuda_graph_capture(monkeypatch):
     torch.testing.assert_close(w, ew, rtol=0, atol=0)
     # a first use under capture is refused with a clear error instead of breaking the capture
     from hmoe.ops import _cuda as cuda_ops
-    monkeypatch.setattr(cuda_ops, "_warm_devices", set())
+    monkeypatch.setattr(cuda_ops, "_warm", set())
     g2 = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="prewarm"):
         with torch.cuda.graph(g2):

@@ -98,7 +98,7 @@ def _problem(lens=(37, 0, 130, 1), B=4, H=8, page=16, seed=0):
 
 
 def _select(variant, cc=(9, 0)):
-    return dispatch.select_gpu("mla_decode", {}, cc=cc, driver_cuda=(12, 8), variant=variant)
+    return dispatch.select_gpu("mla_decode", cc=cc, driver_cuda=(12, 8), variant=variant)
 
 
 def test_registered_for_mla_decode_only(fi):

@@ -9,7 +9,6 @@ import hmoe
 from hmoe import dispatch
 from hmoe.hardware import cpu as hcpu
 from hmoe.ops import experts as ops_experts
-from hmoe._native.signatures import EXPERTS
 
 from .experts_reference import moe_reference, random_problem, rel_err, tolerance
 
@@ -71,10 +70,12 @@ def test_many_rows_per_expert(isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_output_written(isa):
     x, ids, w, w13, w2 = random_problem(9, 33, 21, 4, 2, torch.float32, torch.float16)
-    E, H, I = ops_experts.check_weights(w13, w2)
-    sel = ops_experts.select(isa)
-    out = torch.full((9, 33), float("nan"))
-    ops_experts.run(sel, x, ids, w, w13, w2, False, E, H, I, w13.dtype, out=out)
+    out = torch.full((9, 33), float("nan"))  # poisoned
+    got = hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, isa=isa, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    check(out, x, ids, w, w13, w2)
+    out.fill_(float("nan"))
+    assert hmoe.CPUExperts(w13, w2, isa=isa)(x, ids, w, out=out).data_ptr() == out.data_ptr()
     check(out, x, ids, w, w13, w2)
 
 
@@ -150,11 +151,11 @@ def test_best_isa_is_the_highest_runnable():
 
 def test_refuses_what_the_cpu_cannot_run():
     info = hcpu.simulated("avx2")
-    sel = dispatch.select_cpu("experts", EXPERTS, info=info, load_module=False)
+    sel = dispatch.select_cpu("experts", info=info, load_module=False)
     assert sel.variant == "avx2" and "avx512" in sel.reason
     for isa in ("avx512", "avx512_bf16", "amx"):
         with pytest.raises(ValueError, match="cannot run"):
-            dispatch.select_cpu("experts", EXPERTS, isa=isa, info=info, load_module=False)
+            dispatch.select_cpu("experts", isa=isa, info=info, load_module=False)
     unrunnable = [lv["name"] for lv in hcpu.levels() if lv["name"] not in ISAS]
     for isa in unrunnable:  # on this real CPU
         with pytest.raises(ValueError, match="cannot run"):

@@ -1,15 +1,22 @@
-"""Loads hmoe's native modules and checks their ABI version and signature table first."""
+"""Loads hmoe's native modules. Before a file is mapped its ELF headers are checked against its size
+(a truncated .so from an interrupted install would otherwise kill the process with SIGBUS);
+after import, its ABI version, signature table and constants must equal the installed spec
+(spec.py: include/hmoe/signatures.h and constants.h); before an op uses it, it is bound to torch
+(bind(): torch's DLPack exchange API, through which the module reads and allocates tensors)."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import struct
+import sys
 import threading
 
-# Must equal HMOE_ABI_VERSION in cpp/common/abi.h.
-ABI_VERSION = 1
+from . import spec
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
-_failed: dict[str, str] = {}
+_failed: dict[str, tuple[str, str]] = {}
+_bound: dict[str, object] = {}
 
 
 class NativeModuleError(RuntimeError):
@@ -26,48 +33,143 @@ def _fix_hint() -> str:
             "build: pip install --force-reinstall --no-deps hmoe (or rebuild from source)")
 
 
-def check_module(mod, name: str, expected: dict[str, str]) -> None:
-    """Raise NativeModuleError unless mod exports our ABI version and the expected signatures."""
+def module_kind(name: str) -> tuple[str, frozenset | None]:
+    """(kind in signatures.h, the ops of a CUDA family or None) of hmoe._native.<name>."""
+    if name == "cpu_core":
+        return "cpu_core", None
+    if name.startswith("experts_"):
+        return "experts", None
+    from .._build_info import _manifest
+
+    family = _manifest().get("cuda_families", {}).get(name) or {}
+    return "cuda", frozenset(family.get("ops", ()))
+
+
+def expected_table(name: str) -> dict[str, str]:
+    """The signature table hmoe._native.<name> must export (from the installed spec)."""
+    kind, ops = module_kind(name)
+    return spec.table(kind, ops)
+
+
+def file_of(name: str) -> str | None:
+    """hmoe._native.<name>'s file, found without importing it; None when absent."""
+    found = importlib.machinery.PathFinder.find_spec(f"hmoe._native.{name}", list(__path__))
+    return getattr(found, "origin", None) if found is not None else None
+
+
+def check_file(path: str) -> str | None:
+    """None when the ELF file at `path` holds every byte its headers promise, else why not. Reads
+    the headers only (a few KB): a file cut short by an interrupted install or a full disk would
+    be mapped by the loader and fault (SIGBUS) on its first touch of the missing pages."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            f.seek(0, 2)
+            size = f.tell()
+            if len(head) < 64 or head[:4] != b"\x7fELF":
+                return f"{path} is not an ELF file ({size} bytes)"
+            if head[4] != 2 or head[5] != 1:  # 64-bit little-endian: every platform hmoe builds for
+                return None
+            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+            if shoff + shnum * shentsize > size or phoff + phnum * phentsize > size:
+                return f"{path} is truncated: {size} bytes, its headers reach past the end"
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror})"
+    for i in range(phnum):
+        offset, filesz = struct.unpack_from("<Q", table, i * phentsize + 8)[0], \
+            struct.unpack_from("<Q", table, i * phentsize + 32)[0]
+        if offset + filesz > size:
+            return f"{path} is truncated: {size} bytes, a segment needs {offset + filesz}"
+    return None
+
+
+def check_module(mod, name: str) -> None:
+    """Raise NativeModuleError unless mod exports this package's ABI version, signature table and
+    constants (a module from another build differs in at least one)."""
     try:
         abi = mod.abi_version()
         table = dict(mod.signatures())
+        consts = dict(mod.constants())
     except Exception as e:  # an old or foreign .so without the table
-        raise NativeModuleError(f"hmoe._native.{name} has no usable signature table ({e}); "
-                                + _fix_hint()) from None
-    if abi != ABI_VERSION:
+        raise NativeModuleError(f"hmoe._native.{name} has no usable signature table ({e}); " + _fix_hint()) from None
+    try:
+        want_consts, want = spec.constants(), expected_table(name)
+    except spec.SpecError as e:
+        raise NativeModuleError(str(e), "missing") from None
+    if abi != want_consts["abi_version"]:
         raise NativeModuleError(f"hmoe._native.{name} has ABI version {abi}, this hmoe expects "
-                                f"{ABI_VERSION}; " + _fix_hint())
-    for fn, sig in expected.items():
-        got = table.get(fn)
-        if got != sig:
-            raise NativeModuleError(
-                f"hmoe._native.{name}: signature of {fn} is {got!r}, expected {sig!r}; "
-                + _fix_hint())
+                                f"{want_consts['abi_version']}; " + _fix_hint())
+    for fn, sig in want.items():
+        if table.get(fn) != sig:
+            raise NativeModuleError(f"hmoe._native.{name}: signature of {fn} is {table.get(fn)!r}, expected "
+                                    f"{sig!r}; " + _fix_hint())
+    for key, value in want_consts.items():
+        if consts.get(key) != value:
+            raise NativeModuleError(f"hmoe._native.{name}: constant {key} is {consts.get(key)!r}, this hmoe "
+                                    f"has {value!r}; " + _fix_hint())
 
 
-def load(name: str, expected: dict[str, str]):
-    """Import hmoe._native.<name> once, validated against `expected` (function -> signature)."""
+def _fail(name: str, msg: str, kind: str):
+    _failed[name] = (msg, kind)
+    raise NativeModuleError(msg, kind) from None
+
+
+def load(name: str):
+    """hmoe._native.<name>, imported once and checked (file, ABI, signatures, constants)."""
+    mod = _loaded.get(name)
+    if mod is not None:
+        return mod
     with _lock:
         if name in _loaded:
             return _loaded[name]
         if name in _failed:
             raise NativeModuleError(*_failed[name])
+        if f"hmoe._native.{name}" not in sys.modules:  # not mapped yet: its file must be whole first
+            path = file_of(name)
+            if path is None:
+                _fail(name, f"hmoe._native.{name} is not in this installation (see hmoe.build_info() for what "
+                            f"the wheel contains); {_fix_hint()}", "missing")
+            broken = check_file(path)
+            if broken is not None:
+                _fail(name, f"hmoe._native.{name} is corrupt: {broken} (an interrupted install?); {_fix_hint()}",
+                      "load_error")
         try:
             mod = importlib.import_module(f"hmoe._native.{name}")
         except ImportError as e:
-            kind, msg = "load_error", f"hmoe._native.{name} could not be loaded: {e}"
-            if "No module named" in str(e):
-                kind, msg = "missing", (f"hmoe._native.{name} is not in this installation (see "
-                                        f"hmoe.build_info() for what the wheel contains); {_fix_hint()}")
-            _failed[name] = (msg, kind)
-            raise NativeModuleError(msg, kind) from None
+            kind = "missing" if "No module named" in str(e) else "load_error"
+            _fail(name, f"hmoe._native.{name} could not be loaded: {e}", kind)
         try:
-            check_module(mod, name, expected)
+            check_module(mod, name)
         except NativeModuleError as e:
-            _failed[name] = (str(e), e.kind)
-            raise
+            _fail(name, str(e), e.kind)
         _loaded[name] = mod
         return mod
+
+
+def bind(name: str):
+    """hmoe._native.<name> loaded and bound to torch (ops call this): the module then reads
+    tensors through torch's DLPack exchange API (torch_binding.py)."""
+    mod = _bound.get(name)
+    if mod is not None:
+        return mod
+    mod = load(name)
+    from . import torch_binding
+
+    with _lock:
+        if name not in _bound:
+            mod.bind_torch(*torch_binding.args())
+            _bound[name] = mod
+    return mod
+
+
+def mark_failed(name: str, msg: str, kind: str = "load_error") -> None:
+    """Make every later load of `name` fail with msg (what a crashing child process found)."""
+    with _lock:
+        if name not in _loaded:
+            _failed[name] = (msg, kind)
 
 
 def is_loaded(name: str) -> bool:

@@ -25,10 +25,6 @@ except Exception as _e:  # noqa: BLE001 - the check must run whatever state hmoe
     BACKEND_PROBES["flashinfer"] = lambda why=f"{type(_e).__name__}: {_e}": {
         "usable": False, "detail": f"hmoe.ops.mla_flashinfer does not import: {why}"}
 
-# Expected signature tables by native module name, for modules whose table is not named after
-# the module or op in hmoe._native.signatures (CUDA_OPS for cuda_ops, EXPERTS for experts_*).
-MODULE_SIGNATURES: dict = {}
-
 # CPU ops served by the baseline cpu_core module alone (no ISA variants to choose from).
 CPU_CORE_OPS = ("grouped_topk",)
 
@@ -66,19 +62,15 @@ def _guard(fn, *args, **kw):
         return None, _why(e)
 
 
-def expected_signatures(module: str, op: str | None = None) -> dict:
-    """What Python expects from hmoe._native.<module>: MODULE_SIGNATURES, else the table named
-    after the module (CUDA_OPS) or the op (EXPERTS) in hmoe._native.signatures, else {}
-    (then only the ABI version is checked)."""
-    from .._native import signatures as S
+def expected_signatures(module: str) -> dict:
+    """What Python expects from hmoe._native.<module>: its table in the installed spec
+    (include/hmoe/signatures.h); {} when the spec cannot be read (reported as a problem then)."""
+    from .._native import expected_table, spec
 
-    if module in MODULE_SIGNATURES:
-        return MODULE_SIGNATURES[module]
-    for name in (module, op or ""):
-        table = getattr(S, name.upper(), None)
-        if isinstance(table, dict):
-            return table
-    return {}
+    try:
+        return expected_table(module)
+    except spec.SpecError:
+        return {}
 
 
 class _Problems(list):
@@ -107,9 +99,9 @@ def _hmoe_section(problems):
     return sec, manifest
 
 
-def _load_status(module: str, table: dict) -> dict:
+def _load_status(module: str) -> dict:
     try:
-        load(module, table)
+        load(module)
     except NativeModuleError as e:
         return {"loaded": e.kind == "signature_mismatch", "signature_ok": False,
                 "status": e.kind, "detail": str(e)}
@@ -117,9 +109,8 @@ def _load_status(module: str, table: dict) -> dict:
         if isinstance(e, KeyboardInterrupt):
             raise
         return {"loaded": False, "signature_ok": False, "status": "load_error", "detail": _why(e)}
-    note = "" if table else " (no expected table known: ABI version checked only)"
     return {"loaded": True, "signature_ok": True, "status": "ok",
-            "detail": "loads, signature table matches" + note}
+            "detail": "loads, signature table and constants match"}
 
 
 def _file(module: str):
@@ -155,7 +146,7 @@ def _variants(manifest, real_cpu, cpu_err, problems) -> list:
             row.update(loaded=False, signature_ok=None, status="not_loaded",
                        detail=f"present, not loaded: CPU lacks {', '.join(missing)}")
         else:
-            row.update(_load_status(name, expected_signatures(name, op)))
+            row.update(_load_status(name))
         out.append(row)
     by_module = {}
     for e in manifest.get("cuda_kernels", {}).values():
@@ -172,7 +163,7 @@ def _variants(manifest, real_cpu, cpu_err, problems) -> list:
             row.update(loaded=False, signature_ok=None, status="missing",
                        detail="file not in the installation")
         else:
-            row.update(_load_status(mod, expected_signatures(mod, kernels[0]["op"])))
+            row.update(_load_status(mod))
         out.append(row)
     for row in out:
         if row["status"] in ("missing", "load_error", "signature_mismatch"):
@@ -193,7 +184,7 @@ def _cpu_selections(manifest, info, problems, simulated) -> list:
     for op in ops:
         try:
             # A simulated CPU's modules are not loaded: this CPU may not run their ISA.
-            sel = dispatch.select_cpu(op, expected_signatures("", op), info=info,
+            sel = dispatch.select_cpu(op, info=info,
                                       load_module=not simulated)
             rows.append(_row("cpu", op, sel, simulated=simulated))
         except KeyboardInterrupt:
@@ -204,7 +195,7 @@ def _cpu_selections(manifest, info, problems, simulated) -> list:
                    else _FIX_NATIVE)
             problems.add("error", f"cpu: {op}: {_why(e)}", fix)
     for op in CPU_CORE_OPS:
-        _, err = _guard(load, "cpu_core", expected_signatures("cpu_core"))
+        _, err = _guard(load, "cpu_core")
         sel = None if err else dispatch.Selection(op, "baseline", "cpu_core",
                                                   "one build for every CPU (cpu_core)")
         rows.append(_row("cpu", op, sel, reason=err or "", simulated=simulated))
@@ -218,8 +209,6 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     failed = {}  # (reason, fix) -> ([devices], [ops]): one problem for what many rows share
     kernels = manifest.get("cuda_kernels", {})
     ops = sorted({e["op"] for e in kernels.values()}) or ["grouped_topk"]
-    sigs = {op: {e["family"]: expected_signatures(module_name(e), op) for e in kernels.values() if e["op"] == op}
-            for op in ops}  # family -> signature table, per op
     devices = [(d.label, d.compute_capability, det.driver_cuda) for d in det.visible]
     if not det.ok and torch_info.get("devices"):
         # No NVML: the devices torch saw (in its child process) stand in for it.
@@ -234,7 +223,7 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
             continue
         for op in ops:
             try:
-                sel = dispatch.select_gpu(op, sigs[op], cc=cc, driver_cuda=driver_cuda, device_label=label)
+                sel = dispatch.select_gpu(op, cc=cc, driver_cuda=driver_cuda, device_label=label)
                 rows.append(_row(label, op, sel, simulated=det.simulated))
             except KeyboardInterrupt:
                 raise

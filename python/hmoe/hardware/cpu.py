@@ -47,13 +47,12 @@ def cpu_info(request_amx: bool = False) -> CpuInfo:
     """This machine's CPU. With request_amx, asks the kernel for AMX tile permission (a
     per-process, one-way grant) when the CPU has AMX."""
     from .._native import load
-    from .._native.signatures import CPU_CORE
 
     proc = processor()
     table = _arch.load("cpu")["processors"].get(proc)
     if table is None:
         return CpuInfo(proc, "unknown", platform.processor(), {}, 0, None)
-    core = load("cpu_core", CPU_CORE)
+    core = load("cpu_core")
     features = {}
     if proc == "x86_64":
         leaves = {}

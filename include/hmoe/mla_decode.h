@@ -1,19 +1,27 @@
-// Plain params struct of mla_decode, shared by every variant of the op (portable, sm90a).
+// Params struct, plan and limits of mla_decode, shared by every variant of the op (portable, sm90a).
 #pragma once
 #include <cstdint>
 
+#include "hmoe/constants.h"
+
 namespace hmoe {
 
-constexpr int kMlaDimCkv = 512;  // latent (the value and the "nope" part of the key)
-constexpr int kMlaDimPe = 64;    // rope part of the key
-constexpr int kMlaMaxSplits = 64;  // KV splits at most (the combine kernel weighs them with two warps)
+constexpr int kMlaDimCkv = k::mla_dim_ckv;      // latent (the value and the "nope" part of the key)
+constexpr int kMlaDimPe = k::mla_dim_pe;        // rope part of the key
+constexpr int kMlaMaxHeads = k::mla_max_heads;
+constexpr int kMlaMaxBatch = k::mla_max_batch;  // the CUDA grid's z dimension
+constexpr int kMlaMaxSplits = k::mla_max_splits;  // KV splits at most (the combine kernel weighs them with two warps)
 
 // How the KV cache reaches shared memory: cp.async per lane-held row (any page size), cp.async
 // from one base per tile (page size a multiple of the tile), or the TMA (the same, sm_90+).
-enum MlaLoader : int32_t { kMlaLoadRows = 0, kMlaLoadContig = 1, kMlaLoadTma = 2 };
+enum MlaLoader : int32_t {
+  kMlaLoadRows = k::mla_loader_rows,
+  kMlaLoadContig = k::mla_loader_contig,
+  kMlaLoadTma = k::mla_loader_tma,
+};
 
-// How one call runs, decided once per shape by mla_decode_plan (Python caches it and passes it
-// with every call): the kernels obey it and read no environment.
+// How one call runs, decided once per shape by the variant's plan function (and cached by the
+// entry point; Python reads it for reports): the kernels obey it and read no environment.
 struct MlaDecodePlan {
   int32_t num_splits;     // KV splits (1: no combine pass)
   int32_t config;         // index into the variant's table of tile configurations

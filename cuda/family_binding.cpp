@@ -1,0 +1,76 @@
+// Python module hmoe._native.<family>: one CUDA kernel family of arch/gpu.json, built with the ops
+// CMake lists for it (HMOE_HAS_<op>). Every family module has the same entry points for the ops it
+// holds (include/hmoe/signatures.h), so the dispatcher can pick any of them.
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+
+#include "bind/module.h"
+
+// The ops of this family (CMake defines those it was built with to 1).
+#ifndef HMOE_HAS_grouped_topk
+#define HMOE_HAS_grouped_topk 0
+#endif
+#ifndef HMOE_HAS_mla_decode
+#define HMOE_HAS_mla_decode 0
+#endif
+
+#if HMOE_HAS_grouped_topk
+#include "topk/grouped_topk_entry.h"
+#endif
+#if HMOE_HAS_mla_decode
+#include "mla/mla_decode_entry.h"
+#endif
+
+namespace py = pybind11;
+namespace hb = hmoe::bind;
+
+namespace {
+
+bool has_op(const char* op) {
+  return std::strcmp(op, "cuda") == 0 || (HMOE_HAS_grouped_topk && std::strcmp(op, "grouped_topk") == 0) ||
+         (HMOE_HAS_mla_decode && std::strcmp(op, "mla_decode") == 0);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
+  m.doc() = "hmoe CUDA kernel family " HMOE_STR(HMOE_MODULE_NAME) " (no libtorch; static CUDA runtime)";
+  hb::def_common(m, "cuda", has_op);
+  // Loads every kernel of this module on `device` and sets their shared-memory limits (first eager
+  // call, or hmoe.prewarm()): nothing of this may happen inside graph capture.
+  HMOE_DEF(m, prewarm, {
+    py::gil_scoped_release nogil;
+#if HMOE_HAS_grouped_topk
+    hmoe::grouped_topk_cuda_prewarm(device);
+#endif
+#if HMOE_HAS_mla_decode
+    hmoe::mla_decode_prewarm(device);
+#endif
+  });
+#if HMOE_HAS_grouped_topk
+  HMOE_DEF(m, grouped_topk, {
+    return hb::grouped_topk_entry(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize,
+                                  routed_scaling_factor, [](const hmoe::GroupedTopkParams& p, int32_t device) {
+      if (device < 0) hb::value_error("grouped_topk: router_logits is on the CPU; this module runs CUDA tensors");
+      void* stream = hb::current_stream(device);
+      py::gil_scoped_release nogil;
+      hmoe::grouped_topk_cuda(p, device, reinterpret_cast<uintptr_t>(stream));
+    });
+  });
+#endif
+#if HMOE_HAS_mla_decode
+  HMOE_DEF(m, mla_decode_check, {
+    hb::mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out);
+  });
+  HMOE_DEF(m, mla_decode, {
+    return hb::mla_decode_entry(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
+                                config, allow_tma);
+  });
+  HMOE_DEF(m, mla_decode_plan, {
+    const hmoe::MlaDecodePlan p = hb::mla_decode_cached_plan(device, batch, heads, max_pages, page_size, config,
+                                                             hb::bool_arg(allow_tma, "allow_tma"));
+    return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes);
+  });
+#endif
+}

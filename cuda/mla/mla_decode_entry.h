@@ -1,0 +1,172 @@
+// mla_decode's entry points for a CUDA family module (host code): the arguments of
+// hmoe.ops.mla_decode checked in the order it documents, the plan computed once per shape and
+// cached, the output, lse and split partials allocated on torch's allocator, and the launch on
+// torch's current stream. The family's kernels come from cuda/mla/mla_decode.h.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "bind/scalars.h"
+#include "bind/tensors.h"
+#include "mla/mla_decode.h"
+
+namespace hmoe::bind {
+
+struct MlaCall {
+  MlaDecodeParams p{};
+  TensorArg q_nope, out;  // out.obj is None when the entry allocates it
+};
+
+inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ckv_cache, py::handle kpe_cache,
+                               py::handle page_table, py::handle seq_lens, py::handle sm_scale, py::handle out) {
+  MlaCall c;
+  const TensorArg qn = tensor(q_nope, "q_nope", kHalves, 3, Where::kCuda);
+  const uint32_t i32 = dtypes({kI32});
+  const TensorArg qp = tensor(q_pe, "q_pe", kHalves, 3, Where::kCuda);
+  same_device(qn, qp);
+  const TensorArg ckv = tensor(ckv_cache, "ckv_cache", kHalves, 3, Where::kCuda);
+  same_device(qn, ckv);
+  const TensorArg kpe = tensor(kpe_cache, "kpe_cache", kHalves, 3, Where::kCuda);
+  same_device(qn, kpe);
+  const TensorArg pt = tensor(page_table, "page_table", i32, 2, Where::kCuda);
+  same_device(qn, pt);
+  const TensorArg lens = tensor(seq_lens, "seq_lens", i32, 1, Where::kCuda);
+  same_device(qn, lens);
+  for (const TensorArg* t : {&qp, &ckv, &kpe})
+    if (t->dtype != qn.dtype)
+      type_error(std::string(t->name) + " has dtype " + dtype_name(t->dtype) + ", q_nope " + dtype_name(qn.dtype) +
+                 ": they must match");
+  const int64_t B = qn.shape[0], H = qn.shape[1];
+  auto shape3 = [](int64_t a, int64_t b, int64_t d) {
+    return "(" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(d) + ")";
+  };
+  if (qn.shape[2] != kMlaDimCkv)
+    value_error("q_nope has shape " + qn.shape_str() + ": the last dimension must be " + std::to_string(kMlaDimCkv));
+  if (H < 1 || H > kMlaMaxHeads)
+    value_error("q_nope has " + std::to_string(H) + " heads; mla_decode supports 1 to " + std::to_string(kMlaMaxHeads));
+  if (qp.shape[0] != B || qp.shape[1] != H || qp.shape[2] != kMlaDimPe)
+    value_error("q_pe has shape " + qp.shape_str() + ", expected " + shape3(B, H, kMlaDimPe));
+  const int64_t P = ckv.shape[0], page = ckv.shape[1];
+  if (ckv.shape[2] != kMlaDimCkv)
+    value_error("ckv_cache has shape " + ckv.shape_str() + ": the last dimension must be " + std::to_string(kMlaDimCkv));
+  if (page < 1 || P < 1) value_error("ckv_cache has shape " + ckv.shape_str() + ": no pages");
+  if (P * page > INT32_MAX)  // the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
+    value_error("ckv_cache has " + std::to_string(P * page) + " token rows; mla_decode supports fewer than 2^31");
+  if (kpe.shape[0] != P || kpe.shape[1] != page || kpe.shape[2] != kMlaDimPe)
+    value_error("kpe_cache has shape " + kpe.shape_str() + ", expected " + shape3(P, page, kMlaDimPe));
+  const int64_t max_pages = pt.shape[1];
+  if (pt.shape[0] != B || max_pages < 1)
+    value_error("page_table has shape " + pt.shape_str() + ", expected [" + std::to_string(B) + ", max_pages >= 1]");
+  if (lens.shape[0] != B)
+    value_error("seq_lens has shape " + lens.shape_str() + ", expected (" + std::to_string(B) + ",)");
+  if (B > kMlaMaxBatch)
+    value_error("q_nope has batch " + std::to_string(B) + "; mla_decode runs at most " + std::to_string(kMlaMaxBatch) +
+                " requests a call (the CUDA grid's limit): split the batch");
+  if (max_pages * page > INT32_MAX || B * max_pages > INT32_MAX)
+    value_error("page_table [" + std::to_string(B) + ", " + std::to_string(max_pages) + "] with page size " +
+                std::to_string(page) + ": a request's capacity (max_pages * page_size) and the table (batch * "
+                "max_pages) must stay below 2^31");
+  for (const TensorArg* t : {&qn, &qp, &ckv, &kpe})
+    if (reinterpret_cast<uintptr_t>(t->data) % 16)
+      value_error(std::string(t->name) + " must start on a 16-byte boundary (it is a view at an odd offset)");
+  c.p.sm_scale = float_arg(sm_scale, "sm_scale");
+  if (!out.is_none()) {
+    c.out = tensor(out, "out", dtypes({qn.dtype}), 3, Where::kCuda);
+    const TensorArg& o = c.out;
+    if (o.shape[0] != B || o.shape[1] != H || o.shape[2] != kMlaDimCkv || o.device != qn.device ||
+        reinterpret_cast<uintptr_t>(o.data) % 16)
+      value_error("out must be a 16-byte aligned [" + std::to_string(B) + ", " + std::to_string(H) + ", " +
+                  std::to_string(kMlaDimCkv) + "] tensor on " + qn.device_str());
+    // The kernel writes out while it reads the inputs: no byte may be shared.
+    const char* o0 = static_cast<const char*>(o.data);
+    for (const TensorArg* t : {&qn, &qp, &ckv, &kpe, &pt, &lens}) {
+      const char* t0 = static_cast<const char*>(t->data);
+      if (o.bytes() > 0 && t->bytes() > 0 && t0 < o0 + o.bytes() && o0 < t0 + t->bytes())
+        value_error(std::string("out overlaps ") + t->name +
+                    " in memory; the kernel would overwrite its own input: pass a separate output tensor");
+    }
+  }
+  MlaDecodeParams& p = c.p;
+  p.q_nope = qn.data, p.q_pe = qp.data, p.ckv = ckv.data, p.kpe = kpe.data;
+  p.page_table = static_cast<const int32_t*>(pt.data), p.seq_lens = static_cast<const int32_t*>(lens.data);
+  p.batch = int32_t(B), p.heads = int32_t(H), p.page_size = int32_t(page), p.max_pages = int32_t(max_pages);
+  p.num_pages = int32_t(P), p.dtype = qn.dtype;
+  c.q_nope = qn;
+  return c;
+}
+
+// The family's plan for a shape, computed once per (device, shape, overrides).
+inline MlaDecodePlan mla_decode_cached_plan(int device, int batch, int heads, int max_pages, int page_size, int config,
+                                            bool allow_tma) {
+  struct Key {
+    int device, batch, heads, max_pages, page_size, config;
+    bool tma;
+    bool operator==(const Key& o) const {
+      return device == o.device && batch == o.batch && heads == o.heads && max_pages == o.max_pages &&
+             page_size == o.page_size && config == o.config && tma == o.tma;
+    }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      size_t h = 0;
+      for (int v : {k.device, k.batch, k.heads, k.max_pages, k.page_size, k.config, int(k.tma)})
+        h = h * 1000003u ^ size_t(v);
+      return h;
+    }
+  };
+  static std::mutex mu;
+  static std::unordered_map<Key, MlaDecodePlan, Hash> plans;
+  const Key key{device, batch, heads, max_pages, page_size, config, allow_tma};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+  }
+  const MlaDecodePlan plan = mla_decode_plan(device, batch, heads, max_pages, page_size, config, allow_tma);
+  std::lock_guard<std::mutex> lock(mu);
+  return plans.emplace(key, plan).first->second;
+}
+
+inline py::object mla_decode_entry(py::handle q_nope, py::handle q_pe, py::handle ckv_cache, py::handle kpe_cache,
+                                   py::handle page_table, py::handle seq_lens, py::handle sm_scale, py::handle out,
+                                   py::handle return_lse, int32_t config, py::handle allow_tma) {
+  MlaCall c = mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out);
+  const bool want_lse = bool_arg(return_lse, "return_lse");
+  MlaDecodeParams& p = c.p;
+  const int device = c.q_nope.device;
+  py::object result = py::reinterpret_borrow<py::object>(out);
+  void* data = nullptr;
+  if (out.is_none()) {
+    result = empty({p.batch, p.heads, kMlaDimCkv}, p.dtype, device, &data);
+    p.out = data;
+  } else {
+    p.out = c.out.data;
+  }
+  py::object lse;
+  if (want_lse) {
+    lse = empty({p.batch, p.heads}, kF32, device, &data);
+    p.lse = static_cast<float*>(data);
+  }
+  if (p.batch > 0) {
+    const MlaDecodePlan plan = mla_decode_cached_plan(device, p.batch, p.heads, p.max_pages, p.page_size, config,
+                                                      bool_arg(allow_tma, "allow_tma"));
+    p.num_splits = plan.num_splits;
+    py::object partials;  // [splits, B, H, 512] then [splits, B, H], fp32; freed stream-ordered after the launch
+    if (plan.num_splits > 1) {
+      const int64_t n = int64_t(plan.num_splits) * p.batch * p.heads;
+      partials = empty({n * (kMlaDimCkv + 1)}, kF32, device, &data);
+      p.partial_o = static_cast<float*>(data);
+      p.partial_lse = p.partial_o + n * kMlaDimCkv;
+    }
+    void* stream = current_stream(device);
+    py::gil_scoped_release nogil;
+    mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+  }
+  if (!want_lse) return result;
+  return py::make_tuple(result, lse);
+}
+
+}  // namespace hmoe::bind
