@@ -225,7 +225,7 @@ def expected_gpu(gpu: dict, family: str) -> tuple[set[str], set[str]] | None:
     if spec is None:
         return None
     sass = [t["sm"] for t in gpu["targets"]] if spec["sass"] == "targets" else [spec["sass"].split(":")[1]]
-    return set(sass), ({gpu["ptx_target"]} if spec.get("ptx") else set())
+    return set(sass), (set(gpu["ptx_targets"]) if spec.get("ptx") else set())
 
 
 def check_package(rep: Report, zf: zipfile.ZipFile) -> tuple[str, str] | None:

@@ -3,8 +3,10 @@
 // cached, the output, lse and split partials allocated on torch's allocator, and the launch on
 // torch's current stream. The family's kernels come from cuda/mla/mla_decode.h.
 #pragma once
+#include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -130,6 +132,62 @@ inline MlaDecodePlan mla_decode_cached_plan(int device, int batch, int heads, in
   return plans.emplace(key, plan).first->second;
 }
 
+// Where a call's split partials go. Eager calls reuse one grow-only buffer per (device, stream):
+// the stream orders its users, and the buffer's lock is held while a call enqueues its two kernels
+// (decode, combine), so calls from several threads never interleave on it. Under graph capture
+// every call gets its own allocation from torch (the graph's private pool): a graph never shares
+// memory with later eager calls. The buffers live until the process ends.
+class Partials {
+ public:
+  Partials(int device, void* stream, int64_t floats) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess)
+      throw std::runtime_error("mla_decode: cudaStreamIsCapturing failed");
+    void* data = nullptr;
+    if (status != cudaStreamCaptureStatusNone) {
+      own_ = empty({floats}, kF32, device, &data);
+      data_ = static_cast<float*>(data);
+      return;
+    }
+    static std::mutex map_mu;
+    static std::map<std::pair<int, void*>, Buffer*> buffers;  // leaked on purpose, like the tensors they hold
+    {
+      std::lock_guard<std::mutex> lock(map_mu);
+      Buffer*& b = buffers[{device, stream}];
+      if (b == nullptr) b = new Buffer();
+      buf_ = b;
+    }
+    lock_ = std::unique_lock<std::mutex>(buf_->mu);
+    if (buf_->floats < floats) {
+      py::object grown = empty({floats}, kF32, device, &data);
+      // The old block returns to torch's allocator, which reuses it in this stream's order.
+      Py_XDECREF(buf_->tensor);
+      buf_->tensor = grown.release().ptr();
+      buf_->data = static_cast<float*>(data);
+      buf_->floats = floats;
+    }
+    data_ = buf_->data;
+  }
+  float* data() const { return data_; }
+  // Called once the kernels are enqueued, before the GIL is taken back (a thread holding the GIL
+  // may be waiting for this lock).
+  void unlock() {
+    if (lock_.owns_lock()) lock_.unlock();
+  }
+
+ private:
+  struct Buffer {
+    std::mutex mu;
+    PyObject* tensor = nullptr;  // a torch tensor from the exchange API's allocator
+    float* data = nullptr;
+    int64_t floats = 0;
+  };
+  Buffer* buf_ = nullptr;
+  std::unique_lock<std::mutex> lock_;  // held until unlock(): the call's kernels are enqueued
+  py::object own_;
+  float* data_ = nullptr;
+};
+
 inline py::object mla_decode_entry(py::handle q_nope, py::handle q_pe, py::handle ckv_cache, py::handle kpe_cache,
                                    py::handle page_table, py::handle seq_lens, py::handle sm_scale, py::handle out,
                                    py::handle return_lse, int32_t config, py::handle allow_tma) {
@@ -154,16 +212,24 @@ inline py::object mla_decode_entry(py::handle q_nope, py::handle q_pe, py::handl
     const MlaDecodePlan plan = mla_decode_cached_plan(device, p.batch, p.heads, p.max_pages, p.page_size, config,
                                                       bool_arg(allow_tma, "allow_tma"));
     p.num_splits = plan.num_splits;
-    py::object partials;  // [splits, B, H, 512] then [splits, B, H], fp32; freed stream-ordered after the launch
-    if (plan.num_splits > 1) {
-      const int64_t n = int64_t(plan.num_splits) * p.batch * p.heads;
-      partials = empty({n * (kMlaDimCkv + 1)}, kF32, device, &data);
-      p.partial_o = static_cast<float*>(data);
-      p.partial_lse = p.partial_o + n * kMlaDimCkv;
-    }
     void* stream = current_stream(device);
-    py::gil_scoped_release nogil;
-    mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+    if (plan.num_splits == 1) {
+      py::gil_scoped_release nogil;
+      mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+    } else {  // [splits, B, H, 512] then [splits, B, H], fp32
+      const int64_t n = int64_t(plan.num_splits) * p.batch * p.heads;
+      Partials partials(device, stream, n * (kMlaDimCkv + 1));
+      p.partial_o = partials.data();
+      p.partial_lse = p.partial_o + n * kMlaDimCkv;
+      py::gil_scoped_release nogil;
+      try {
+        mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+      } catch (...) {
+        partials.unlock();
+        throw;
+      }
+      partials.unlock();
+    }
   }
   if (!want_lse) return result;
   return py::make_tuple(result, lse);

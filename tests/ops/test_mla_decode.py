@@ -134,6 +134,35 @@ def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch):
             hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
 
 
+@pytest.mark.gpu
+def test_threads_sharing_a_stream_and_the_split_buffer():
+    # Long sequences: every call splits the KV and uses the stream's partials buffer; calls from
+    # several threads on one stream must not interleave their decode and combine kernels on it.
+    import threading
+
+    B, H, lens = 2, 16, [6000, 4100]
+    cases = [make_cache(B, H, lens, 64, torch.bfloat16, "cuda", gen(40 + i)) for i in range(4)]
+    refs = [mla_reference(*c, SCALE)[0] for c in cases]
+    hmoe.ops.mla_decode(*cases[0], sm_scale=SCALE)
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for r in range(6):
+                results[i, r] = hmoe.ops.mla_decode(*cases[i], sm_scale=SCALE)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors and len(results) == 24
+    for (i, _), got in results.items():
+        assert rel_err(got, refs[i]) < TOL[torch.bfloat16]
+
+
 PTX_CHECK = """
 import sys, torch, hmoe
 from tests.ops.mla_reference import TOL, make_cache, mla_reference, rel_err

@@ -112,9 +112,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     sel = _cuda.select("mla_decode", index, variant)
     fi = not sel.module  # a flashinfer backend; hmoe's own module still checks the arguments
     mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True) if fi else sel)
-    if fi or check_indices or _env.get("HMOE_CHECK_INDICES") == "1":
+    check_indices = check_indices or _env.get("HMOE_CHECK_INDICES") == "1"
+    if fi or check_indices:
         mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
-        if check_indices or _env.get("HMOE_CHECK_INDICES") == "1":
+        if check_indices:
             validate_indices(page_table, seq_lens, ckv_cache.shape[1], ckv_cache.shape[0])
         if fi:
             return mla_flashinfer.run(sel.variant, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens,
