@@ -10,5 +10,13 @@ _ARCH = Path(__file__).resolve().parent / "arch"
 
 @functools.lru_cache(maxsize=None)
 def load(name: str) -> dict:
-    """name: 'cpu' or 'gpu'."""
-    return json.loads((_ARCH / f"{name}.json").read_text())
+    """name: 'cpu' or 'gpu'. A missing or corrupt file is a RuntimeError naming it and the fix."""
+    path = _ARCH / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"hmoe's package data {path} is missing or corrupt ({type(e).__name__}: {e}): "
+                           "reinstall hmoe (pip install --force-reinstall --no-deps hmoe)") from None

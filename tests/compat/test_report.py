@@ -67,9 +67,11 @@ def test_report_equals_json_output(env):
     assert json.loads(buf.getvalue()) == json.loads(json.dumps(compat.report()))
 
 
-def test_no_pynvml(env, monkeypatch):
+def test_no_pynvml(env, monkeypatch, tmp_path):
+    # NVML is asked in a child process: there, pynvml does not import.
     monkeypatch.setattr("hmoe.hardware.gpu._NVML_HOOK", None)
-    monkeypatch.setitem(sys.modules, "pynvml", None)
+    (tmp_path / "pynvml.py").write_text("raise ImportError('No module named pynvml')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     env()
     from hmoe.hardware import gpu
     gpu.refresh()

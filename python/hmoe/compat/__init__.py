@@ -43,24 +43,63 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_REINSTALL = "reinstall hmoe (pip install --force-reinstall --no-deps hmoe) and report the error if it stays"
+
+
+def _error_document(what: str, fix: str = _REINSTALL) -> str:
+    """What --json prints when the check itself could not run (exit status 2)."""
+    return json.dumps({"schema_version": SCHEMA_VERSION, "status": "error", "exit_code": 2, "error": what,
+                       "problems": [{"severity": "error", "what": what, "fix": fix}]}, indent=2) + "\n"
+
+
+def _write(out, text: str) -> bool:
+    """Writes text to out; False (said on stderr) when stdout is closed or its reader went away."""
+    if out is None:  # the process started with stdout closed
+        print("hmoe.compat check: stdout is closed, the report has nowhere to go", file=sys.stderr)
+        return False
+    try:
+        out.write(text)
+        out.flush()
+        return True
+    except (BrokenPipeError, OSError, ValueError) as e:
+        try:  # Python would complain again at exit when it flushes stdout
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        print(f"hmoe.compat check: could not write the report ({type(e).__name__}: {e})", file=sys.stderr)
+        return False
+
+
 def check(argv=None, *, stdout=None) -> int:
     """Runs `check` with argv (default sys.argv[1:] without the command) and returns the exit
-    status: 0 all devices usable, 1 problems, 2 the check could not run."""
-    out = stdout or sys.stdout
+    status: 0 all devices usable, 1 problems, 2 the check could not run (bad arguments, an error of
+    the check itself, or stdout closed). With --json, stdout receives JSON on every path that can
+    write: the report, or {schema_version, status "error", exit_code 2, error, problems}."""
+    out = stdout if stdout is not None else sys.stdout
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv = ["check"] + argv
+    as_json = "--json" in argv
     try:
         args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed the usage error
-        return 0 if e.code == 0 else 2
+    except SystemExit as e:  # argparse has printed the usage or the error on stderr
+        if e.code == 0:
+            return 0
+        if as_json:
+            _write(out, _error_document(f"bad arguments: {' '.join(argv[1:])}",
+                                        "see python -m hmoe.compat check --help"))
+        return 2
     if args.simulate_cpu is not None:
         from ..hardware import cpu as _cpu
 
         known = [lv["name"] for lv in _cpu.levels()]
         if args.simulate_cpu not in known:
-            print(f"hmoe.compat check: --simulate-cpu {args.simulate_cpu!r} is not an ISA level of "
-                  f"this processor ({_cpu.processor()}); known: {', '.join(known)}", file=sys.stderr)
+            what = (f"--simulate-cpu {args.simulate_cpu!r} is not an ISA level of this processor "
+                    f"({_cpu.processor()}); known: {', '.join(known)}")
+            print(f"hmoe.compat check: {what}", file=sys.stderr)
+            if as_json:
+                _write(out, _error_document(what, f"pick one of: {', '.join(known)}"))
             return 2
     try:
         rep = report(simulate_gpu=args.simulate_gpu, simulate_cpu=args.simulate_cpu,
@@ -73,17 +112,19 @@ def check(argv=None, *, stdout=None) -> int:
             colour = args.color == "always" or (args.color == "auto" and not os.environ.get("NO_COLOR")
                                                 and hasattr(out, "isatty") and out.isatty())
             text = render(rep, colour=colour)
+        code = rep["exit_code"]
     except KeyboardInterrupt:
         raise
-    except BaseException as e:  # the check itself failed: say so, and exit 2
+    except BaseException as e:  # the check itself failed (its package data is corrupt, a bug): exit 2
         import traceback
 
-        print(f"hmoe.compat check could not run: {type(e).__name__}: {e}", file=sys.stderr)
+        what = f"hmoe.compat check could not run: {type(e).__name__}: {e}"
+        print(what, file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
+        text, code = (_error_document(what) if args.json else ""), 2
+    if text and not _write(out, text):
         return 2
-    out.write(text)
-    out.flush()
-    return rep["exit_code"]
+    return code
 
 
 def main() -> None:

@@ -1,9 +1,12 @@
-"""hmoe.compat's environment probes (GPUs, CPU, torch, flashinfer): each returns plain JSON data
-and never raises; torch and flashinfer are imported in a child process so that a broken or
-crashing install, or a slow import, cannot take the check down or create a CUDA context here."""
+"""hmoe.compat's environment probes (GPUs, CPU, torch, flashinfer, native modules): each returns
+plain JSON data and never raises. Whatever can crash or hang the process runs first in a child
+process with a time limit (Child): importing torch and flashinfer, NVML, loading each native
+module; the check itself then never does what killed a child."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -43,40 +46,117 @@ sys.stdout.write("\n" + json.dumps(out))
 """
 
 
-class PythonProbe:
-    """Starts the torch/flashinfer child at once, so it runs while the other probes do."""
+def timeout_s(default: float) -> float:
+    """A child's time limit: $HMOE_COMPAT_TIMEOUT seconds when set, else `default`."""
+    try:
+        return float(os.environ.get("HMOE_COMPAT_TIMEOUT", default))
+    except ValueError:
+        return default
 
-    def __init__(self, timeout: float = 120.0, python: str | None = None):
-        self.timeout = timeout
-        self.proc = None
-        self.error = None
+
+class Child:
+    """`code` run by a Python child started at once (it runs while the check does other work);
+    the code prints one JSON object as the last line of its stdout. result() -> (data, None), or
+    (None, why) when the child could not start, died (by which signal), exited badly or ran past
+    its time limit (then it is killed)."""
+
+    def __init__(self, code: str, timeout: float, python: str | None = None):
+        self.timeout, self.proc, self.error = timeout, None, None
         try:
-            self.proc = subprocess.Popen([python or sys.executable, "-c", _CHILD],
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         stdin=subprocess.DEVNULL, text=True)
+            self.proc = subprocess.Popen([python or sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         except Exception as e:
             self.error = f"could not start {python or sys.executable}: {e}"
 
-    def result(self) -> dict:
-        unknown = {"installed": None, "error": None}
+    def result(self) -> tuple[dict | None, str | None]:
         if self.proc is None:
-            return {"torch": dict(unknown, error=self.error),
-                    "flashinfer": dict(unknown, error=self.error)}
+            return None, self.error
         try:
             out, err = self.proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.communicate()
-            why = f"importing torch/flashinfer took over {self.timeout:.0f} s"
-            return {"torch": dict(unknown, error=why), "flashinfer": dict(unknown, error=why)}
+            return None, f"took over {self.timeout:.0f} s"
         try:
-            return json.loads(out.strip().splitlines()[-1])
+            return json.loads(out.strip().splitlines()[-1]), None
         except Exception:
             rc = self.proc.returncode
-            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            if rc < 0:
+                try:
+                    how = f"was killed by signal {-rc} ({signal.Signals(-rc).name})"
+                except ValueError:
+                    how = f"was killed by signal {-rc}"
+            else:
+                how = f"exited with status {rc}"
             tail = (err or "").strip().splitlines()[-1:] or [""]
-            why = f"importing torch/flashinfer {how} {tail[0][:200]}".strip()
-            return {"torch": dict(unknown, error=why), "flashinfer": dict(unknown, error=why)}
+            return None, f"{how} {tail[0][:200]}".strip()
+
+
+class PythonProbe:
+    """torch and flashinfer imported in a child (see Child)."""
+
+    def __init__(self, timeout: float = 120.0, python: str | None = None):
+        self.child = Child(_CHILD, timeout_s(timeout), python)
+
+    def result(self) -> dict:
+        data, why = self.child.result()
+        if data is not None:
+            return data
+        why = f"importing torch/flashinfer {why}"
+        unknown = {"installed": None, "error": why}
+        return {"torch": dict(unknown), "flashinfer": dict(unknown)}
+
+
+_NVML_CHILD = r"""
+import json, sys
+from hmoe.hardware import gpu
+sys.stdout.write("\n" + json.dumps(gpu.query_json()))
+"""
+
+_MODULE_CHILD = r"""
+import json, sys
+from hmoe import _native
+try:
+    _native.load(sys.argv[1])
+    out = {"ok": True}
+except _native.NativeModuleError as e:
+    out = {"ok": False, "kind": e.kind, "detail": str(e)}
+sys.stdout.write("\n" + json.dumps(out))
+"""
+
+
+class NvmlProbe:
+    """NVML asked in a child: a truncated libnvidia-ml or a driver that never answers costs this
+    check a line, not the process."""
+
+    def __init__(self, timeout: float = 30.0):
+        self.child = Child(_NVML_CHILD, timeout_s(timeout))
+
+    def result(self) -> dict:
+        """hmoe.hardware.gpu.query_json()'s data, or a failed answer that says why."""
+        data, why = self.child.result()
+        if data is not None:
+            return data
+        return {"ok": False, "reason": f"NVML (queried in a child process) {why}: the NVIDIA driver's "
+                                       "libnvidia-ml is broken or hangs", "gpus": [], "problems": []}
+
+
+class ModuleProbe:
+    """A native module loaded in a child first: a file that crashes its loader (SIGBUS from a
+    truncated .so, an initialiser that faults or hangs) fails there, not here."""
+
+    def __init__(self, name: str, timeout: float = 30.0):
+        self.name = name
+        self.child = Child(_MODULE_CHILD.replace("sys.argv[1]", repr(name)), timeout_s(timeout))
+
+    def crashed(self) -> str | None:
+        """Why loading the module would take this process down, or None (it loads, or it fails
+        with an ordinary error, which the in-process load reports the same way)."""
+        data, why = self.child.result()
+        if data is not None:
+            return None
+        return (f"loading hmoe._native.{self.name} in a child process {why}: the file is corrupt or does "
+                "not fit this machine (an interrupted install?)")
 
 
 def gpu_section(det) -> dict:

@@ -7,7 +7,7 @@ import platform
 
 from .. import dispatch
 from .._build_info import module_name
-from .._native import NativeModuleError, load
+from .._native import NativeModuleError, load, mark_failed
 from ..hardware import cpu as _cpu
 from ..hardware import gpu as _gpu
 from . import probes
@@ -252,16 +252,52 @@ def _gpu_problems(det, problems) -> None:
             problems.add("warning", note, "fix CUDA_VISIBLE_DEVICES (nvidia-smi -L lists the UUIDs)")
 
 
+def _package_data(problems) -> None:
+    """The data files the package reads at run time (arch/*.json, the native spec): each one
+    missing or corrupt is a problem of its own, whatever else the report can still say."""
+    from .. import _arch
+    from .._native import spec
+
+    for what, read in (("arch/cpu.json", lambda: _arch.load("cpu")), ("arch/gpu.json", lambda: _arch.load("gpu")),
+                       ("the native spec (constants.h)", spec.constants),
+                       ("the native spec (signatures.h)", spec.entry_points)):
+        _, err = _guard(read)
+        if err:
+            problems.add("error", f"package data {what}: {err}", _FIX_NATIVE)
+
+
+def _isolate(module_probes) -> None:
+    """Modules whose load killed or hung a child are marked failed: this process never maps them."""
+    for probe in module_probes:
+        why = probe.crashed()
+        if why is not None:
+            mark_failed(probe.name, why, "load_error")
+
+
+def _loadable(manifest, real_cpu) -> list[str]:
+    """The native modules the report loads in-process: CPU modules whose ISA this CPU runs, and
+    every CUDA family module (cpu_core is probed before the CPU is known)."""
+    levels = {lv["name"]: lv for lv in _cpu.levels(manifest.get("processor"))}
+    names = [name for name, e in manifest.get("cpu_modules", {}).items()
+             if real_cpu is not None and e["isa"] in levels and not _cpu.missing_requirements(levels[e["isa"]], real_cpu)]
+    return names + sorted({module_name(e) for e in manifest.get("cuda_kernels", {}).values()})
+
+
 def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool = False,
            _python=None) -> dict:
     """The full report as JSON-ready data (see schema.json). simulate_gpu: compute capabilities
     ("8.6", "9.0", ...) to select for instead of this machine's GPUs; simulate_cpu: an ISA level
     of arch/cpu.json; selftest: run the selected variants once against references."""
     problems = _Problems()
-    child = probes.PythonProbe(python=_python)  # runs while the rest is probed
+    # Children first (they run while the rest is probed): what could crash or hang this process.
+    child = probes.PythonProbe(python=_python)
+    nvml = probes.NvmlProbe() if not simulate_gpu and _gpu._NVML_HOOK is None else None
+    core = probes.ModuleProbe("cpu_core")
     rep = {"schema_version": SCHEMA_VERSION, "simulated": {"gpu": [str(c) for c in simulate_gpu],
                                                            "cpu": simulate_cpu}}
     rep["hmoe"], manifest = _hmoe_section(problems)
+    _package_data(problems)
+    _isolate([core])
 
     real_cpu, cpu_err = _guard(_cpu.cpu_info, request_amx=True)
     if cpu_err:
@@ -270,8 +306,12 @@ def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool =
     rep["cpu"] = probes.cpu_section(cpu_info) if cpu_info else {
         "processor": _cpu.processor(), "vendor": None, "model": None, "features": {}, "xcr0": None,
         "os_support": {}, "amx_permission": None, "simulated": False, "error": cpu_err}
+    if manifest:
+        _isolate([probes.ModuleProbe(name) for name in _loadable(manifest, real_cpu)])
     rep["variants"] = _variants(manifest, real_cpu, cpu_err, problems) if manifest else []
 
+    if nvml is not None:
+        _gpu.prime(nvml.result())  # detect() below (and every backend probe) uses the child's answer
     det, err = _guard(lambda: _gpu.simulated(*simulate_gpu) if simulate_gpu else _gpu.detect())
     if err:  # detect() does not raise; this is the last line of defence
         det = _gpu.GpuDetection(False, f"GPU detection failed: {err}", None, None, (), (), None,

@@ -236,7 +236,39 @@ def _cached_query():
 
 def refresh() -> None:
     """Forget the cached NVML answer (tests, or after a driver change)."""
+    global _cached_query_primed
     _cached_query.cache_clear()
+    _cached_query_primed = None
+
+
+def query_json() -> dict:
+    """This process's NVML answer as JSON data (what hmoe.compat's NVML child process prints)."""
+    ok, reason, drv, cuda, gpus, problems, *missing = _cached_query()
+    return {"ok": ok, "reason": reason, "driver_version": drv, "driver_cuda": cuda,
+            "gpus": [dataclasses.asdict(g) for g in gpus], "problems": list(problems),
+            "nvml_missing": bool(missing and missing[0])}
+
+
+def prime(answer: dict) -> None:
+    """Take `answer` (query_json() of another process, or a failure: ok False and a reason) as this
+    process's NVML answer, so that detect() never loads NVML here: hmoe.compat asks NVML in a child
+    process that may crash or hang instead of itself."""
+    global _cached_query_primed
+
+    def gpu(d):
+        migs = tuple(MigDevice(**m) for m in d.get("mig_devices", ()))
+        cc = d.get("compute_capability")
+        return Gpu(**dict(d, compute_capability=None if cc is None else tuple(cc), mig_devices=migs,
+                          problems=tuple(d.get("problems", ()))))
+    cuda = answer.get("driver_cuda")
+    raw = (bool(answer.get("ok")), answer.get("reason"), answer.get("driver_version"),
+           None if cuda is None else tuple(cuda), tuple(gpu(g) for g in answer.get("gpus", ())),
+           tuple(answer.get("problems", ())), bool(answer.get("nvml_missing")))
+    _cached_query.cache_clear()
+    _cached_query_primed = raw
+
+
+_cached_query_primed = None
 
 
 def _order(gpus, order: str) -> list[Gpu]:
@@ -357,9 +389,14 @@ def detect(*, refresh: bool = False, _nvml=None) -> GpuDetection:
     """GPUs, driver and CUDA ordinals of this machine. NVML is asked once and cached
     (refresh=True asks again); CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER are read on each call.
     `_nvml` queries that (fake) module instead, uncached."""
+    global _cached_query_primed
     if refresh:
         _cached_query.cache_clear()
-    raw = _query_nvml(_nvml) if _nvml is not None else _cached_query()
+        _cached_query_primed = None
+    if _nvml is not None:
+        raw = _query_nvml(_nvml)
+    else:
+        raw = _cached_query_primed if _cached_query_primed is not None else _cached_query()
     return _assemble(raw, os.environ.get("CUDA_VISIBLE_DEVICES"),
                      os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST"))
 
