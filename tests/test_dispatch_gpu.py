@@ -141,13 +141,17 @@ def test_env_family_missing_for_this_op_is_ignored(monkeypatch):
         sel("9.0")
 
 
-def test_extra_variants(monkeypatch):
-    monkeypatch.setattr(dispatch, "EXTRA_GPU_VARIANTS", {})
-    dispatch.register_gpu_variant(
-        "flashinfer-fa3", lambda cc, drv: (cc == (9, 0), "flashinfer 0.2.9 on sm_90" if cc == (9, 0)
-                                           else "fa3 needs 9.0"), ops=("mla_decode",))
+def test_backends(monkeypatch):
+    # A backend registered in hmoe.backends.BACKENDS (a fake module standing in for flashinfer).
+    from hmoe import backends
+
+    fake = types.ModuleType("fake_backend")
+    fake.selectable = lambda name, cc, drv: (cc == (9, 0), "flashinfer 0.2.9 on sm_90" if cc == (9, 0)
+                                             else "fa3 needs 9.0")
+    monkeypatch.setitem(sys.modules, "fake_backend", fake)
+    monkeypatch.setattr(backends, "BACKENDS", {"flashinfer-fa3": ("fake_backend", ("mla_decode",))})
     s = sel("9.0", variant="flashinfer-fa3")
-    assert s.variant == "flashinfer-fa3" and s.module == ""
+    assert s.variant == "flashinfer-fa3" and s.module == "" and s.backend
     assert s.reason == "forced by variant=flashinfer-fa3: flashinfer 0.2.9 on sm_90"
     with pytest.raises(ValueError, match="fa3 needs 9.0"):
         sel("8.0", variant="flashinfer-fa3")
@@ -156,7 +160,8 @@ def test_extra_variants(monkeypatch):
     s = dispatch.select_gpu("grouped_topk", cc="9.0", driver_cuda=(13, 0), kernels=kernels("portable"),
                             build_cuda="13.0", load_module=False)
     assert s.variant == "portable"
-    dispatch.EXTRA_GPU_VARIANTS["plain"] = lambda cc, drv: (True, "ok")
+    monkeypatch.setitem(backends.BACKENDS, "plain", ("fake_backend", ("mla_decode",)))
+    fake.selectable = lambda name, cc, drv: (True, "ok")
     assert sel("8.0", variant="plain").reason == "forced by variant=plain: ok"
 
 

@@ -35,7 +35,7 @@ def prewarm(device=None) -> None:
     for op in ("grouped_topk", "mla_decode"):
         _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
     sel = _cuda.select("mla_decode", index)
-    if not sel.module:  # a flashinfer variant: its JIT build and self-check, outside any graph capture
-        from .ops import mla_flashinfer
+    if sel.backend:  # e.g. flashinfer: its JIT build and self-check, outside any graph capture
+        from . import backends
 
-        mla_flashinfer.prewarm(index, backends=(sel.variant.removeprefix("flashinfer-"),))
+        backends.warm(sel.variant, index)

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import os
 
-from . import _arch, _build_info
+from . import _arch, _build_info, backends
 from ._build_info import module_name
 from ._native import NativeModuleError, load
 from .hardware import cpu as _cpu
@@ -22,6 +22,7 @@ class Selection:
     device: str = "cpu"   # "cpu" or a label like "cuda:0 (NVIDIA H200, 9.0)"
     target: str = ""      # GPU: what runs, "sm_90", "sm_90a" or "compute_90" (PTX JIT)
     refused: tuple = ()   # higher-ranked variants refused at load, with why
+    backend: bool = False  # an optional backend (hmoe.backends), not one of hmoe's modules
 
 
 def _cpu_candidates(op: str):
@@ -92,12 +93,6 @@ def family_rank() -> tuple:
     list leaves out is tried after these, by name."""
     return tuple(_arch.load("gpu").get("family_rank", ()))
 
-# Backends outside hmoe's own modules (e.g. "flashinfer-fa2"), selectable only when forced:
-# name -> callable(cc: (major, minor), driver_cuda: (major, minor) | None) -> (ok, reason).
-# A callable with an `ops` attribute (see register_gpu_variant) applies to those ops only.
-EXTRA_GPU_VARIANTS: dict = {}
-
-
 class NoGpuVariant(RuntimeError):
     """No GPU variant of an op can run on a device. `reason` is the one-line decision that
     hmoe.compat prints ("unsupported: 7.5 < 8.0", "driver too old: ..."), `fix` what to do."""
@@ -106,27 +101,6 @@ class NoGpuVariant(RuntimeError):
         super().__init__(reason if fix in reason else f"{reason} ({fix})")
         self.reason = reason
         self.fix = fix
-
-
-class _OpVariant:
-    def __init__(self, check, ops):
-        self.check, self.ops = check, frozenset(ops)
-
-    def __call__(self, cc, driver_cuda):
-        return self.check(cc, driver_cuda)
-
-
-def register_gpu_variant(name: str, check, ops=None) -> None:
-    """Make `name` forcible through variant= / $HMOE_CUDA_VARIANT; check(cc, driver_cuda) ->
-    (ok, reason) says whether it can run. ops: the ops it serves (None: every op)."""
-    EXTRA_GPU_VARIANTS[name] = check if ops is None else _OpVariant(check, ops)
-
-
-def _extra_for(name: str, op: str):
-    hook = EXTRA_GPU_VARIANTS.get(name)
-    if hook is None or (getattr(hook, "ops", None) is not None and op not in hook.ops):
-        return None
-    return hook
 
 
 def _version(v) -> tuple[int, int] | None:
@@ -214,7 +188,7 @@ def select_gpu(op: str, *, cc, driver_cuda, device_label: str = "cuda",
     manifest's, None for a build without CUDA) are ranked by arch/gpu.json (family_rank);
     one that the device cannot run, or whose module fails to load or its signature check,
     is skipped and the reason says so. `variant` or $HMOE_CUDA_VARIANT forces a family or a
-    registered backend (EXTRA_GPU_VARIANTS): ValueError when it cannot run here; use_env=False
+    backend (hmoe.backends.BACKENDS): ValueError when it cannot run here; use_env=False
     ignores $HMOE_CUDA_VARIANT (hmoe's own choice among its families).
     NoGpuVariant (a RuntimeError) when nothing can: its .reason is the one-line decision.
     """
@@ -233,21 +207,18 @@ def select_gpu(op: str, *, cc, driver_cuda, device_label: str = "cuda",
             raise ValueError(f"{source}{forced!r} cannot run on {device_label}: {why}")
         raise NoGpuVariant(why, fix)
 
-    if forced is not None:
-        hook = _extra_for(forced, op)
-        if hook is not None:
-            ok, why = hook(cc, driver_cuda)
-            if not ok:
-                refuse(why)
-            return Selection(op, forced, "", f"forced by {source}{forced}: {why}",
-                             device=device_label)
+    if forced is not None and backends.serves(forced, op):
+        ok, why = backends.selectable(forced, cc, driver_cuda)
+        if not ok:
+            refuse(why)
+        return Selection(op, forced, "", f"forced by {source}{forced}: {why}", device=device_label, backend=True)
     kernels, build_cuda = _gpu_kernels(op, kernels, build_cuda)
     if forced is not None and forced not in kernels:
-        known = set(_arch.load("gpu").get("kernel_families", {})) | set(EXTRA_GPU_VARIANTS)
+        known = set(_arch.load("gpu").get("kernel_families", {})) | set(backends.names())
         if source == "variant=" or forced not in known:
             raise ValueError(f"{source}{forced!r}: no such GPU variant of {op} in this build "
                              f"(built: {', '.join(sorted(kernels)) or 'none'}; "
-                             f"registered backends: {', '.join(sorted(EXTRA_GPU_VARIANTS)) or 'none'})")
+                             f"backends for {op}: {', '.join(backends.names(op)) or 'none'})")
         # A global override naming a family this op lacks must not break every other op.
         note = f"; {source}{forced} ignored: {op} has no {forced} variant"
         forced = None

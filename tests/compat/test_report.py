@@ -273,8 +273,14 @@ def test_flashinfer(env, fi, detail, warn):
 
 
 def test_backend_states_hook(env, monkeypatch):
-    monkeypatch.setitem(compat.BACKEND_PROBES, "flashinfer-fa2", lambda: {"usable": True, "detail": "ok"})
-    monkeypatch.setitem(compat.BACKEND_PROBES, "flashinfer-fa3", lambda: 1 / 0)
+    # Each backend's compat_state() (hmoe.backends); one that raises reads as unusable.
+    from hmoe import backends
+
+    fake = types.ModuleType("fake_backend")
+    fake.compat_state = lambda name: {"usable": True, "detail": "ok"} if name.endswith("fa2") else 1 / 0
+    monkeypatch.setitem(sys.modules, "fake_backend", fake)
+    monkeypatch.setattr(backends, "BACKENDS", {f"flashinfer-{b}": ("fake_backend", ("mla_decode",))
+                                               for b in ("fa2", "fa3")})
     rep, text = run()
     st = rep["backends"]["states"]
     assert st["flashinfer-fa2"] == {"usable": True, "detail": "ok"}

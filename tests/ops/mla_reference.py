@@ -1,6 +1,8 @@
 """fp32 reference for mla_decode computed from the gathered pages, and a paged-cache builder."""
 import torch
 
+from hmoe import _reference
+
 
 def mla_reference(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
     """Returns (out fp32 [B, H, 512], lse fp32 [B, H]) on the CPU."""
@@ -56,4 +58,5 @@ def rel_err(x, ref):
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-TOL = {torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+# Normwise, against the fp32 reference above: hmoe._reference's rule for mla_decode.
+TOL = {dt: _reference.tolerance("mla_decode", dt) for dt in (torch.bfloat16, torch.float16)}

@@ -12,12 +12,14 @@ import types
 from hmoe.bench import membw
 from hmoe.bench._report import progress, table_header
 from hmoe.ops.mla import D_CKV, D_PE
-from hmoe.ops.mla_flashinfer import HOPPER, TOL, reference as mla_reference
+from hmoe import _reference
+from hmoe.backends.flashinfer import HOPPER
 
 DEFAULT_SHAPES = "64x4096x16,64x4096x128,128x8192x16,1x32768x128,32x2048x128,256x1024x16"
 SM_SCALE = 1.0 / math.sqrt(192)  # DeepSeek's q.k head dim before absorption: 128 nope + 64 rope
 # Normwise relative error allowed vs the fp64 reference (the op's own bound, by --dtype name).
-TOLERANCE = {"bf16": TOL["bfloat16"], "fp16": TOL["float16"]}
+TOLERANCE = {"bf16": _reference.tolerance("mla_decode", "bfloat16"),
+             "fp16": _reference.tolerance("mla_decode", "float16")}
 CHECK_REQUESTS = 2  # requests held to the fp64 reference; all of them would cost more than the bench
 BACKENDS = ("fa2", "fa3")
 
@@ -67,9 +69,9 @@ def make_inputs(s: Shape, page_size: int, dtype, device, seed: int):
 
 
 def reference(inp, n: int, sm_scale: float):
-    """out [n, H, 512] (float64) of the first n requests: hmoe.ops.mla_flashinfer.reference (fp64
+    """out [n, H, 512] (float64) of the first n requests: hmoe._reference.mla_decode (fp64
     from the gathered pages, the math every implementation is held to)."""
-    return mla_reference(inp.q_nope[:n], inp.q_pe[:n], inp.ckv, inp.kpe, inp.page_table[:n],
+    return _reference.mla_decode(inp.q_nope[:n], inp.q_pe[:n], inp.ckv, inp.kpe, inp.page_table[:n],
                          inp.seq_lens[:n], sm_scale)[0].double()
 
 

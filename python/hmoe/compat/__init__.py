@@ -7,10 +7,10 @@ import json
 import os
 import sys
 
-from .report import BACKEND_PROBES, SCHEMA_VERSION, backend_states, expected_signatures, report
+from .report import SCHEMA_VERSION, backend_states, expected_signatures, report
 from .selftest import SELFTESTS
 
-__all__ = ["BACKEND_PROBES", "SCHEMA_VERSION", "SELFTESTS",
+__all__ = ["SCHEMA_VERSION", "SELFTESTS",
            "backend_states", "check", "expected_signatures", "main", "report"]
 
 

@@ -15,16 +15,6 @@ from . import selftest as _selftest
 
 SCHEMA_VERSION = 1
 
-# Backends outside hmoe's modules (the flashinfer MLA backend): name -> callable() -> dict
-# with at least "usable" (bool) and "detail" (str). Filled by the modules that add them.
-BACKEND_PROBES: dict = {}
-try:  # importing it also registers its variants with dispatch, for the selections below
-    from ..ops import mla_flashinfer as _mla_fi
-    BACKEND_PROBES.update({f"flashinfer-{b}": (lambda b=b: _mla_fi.compat_state(b)) for b in _mla_fi.BACKENDS})
-except Exception as _e:  # noqa: BLE001 - the check must run whatever state hmoe.ops is in
-    BACKEND_PROBES["flashinfer"] = lambda why=f"{type(_e).__name__}: {_e}": {
-        "usable": False, "detail": f"hmoe.ops.mla_flashinfer does not import: {why}"}
-
 # CPU ops served by the baseline cpu_core module alone (no ISA variants to choose from).
 CPU_CORE_OPS = ("grouped_topk",)
 
@@ -32,19 +22,11 @@ _FIX_NATIVE = "reinstall hmoe: pip install --force-reinstall --no-deps hmoe (or 
 
 
 def backend_states() -> dict:
-    """name -> state of each registered backend (BACKEND_PROBES); a probe that raises reads as
+    """name -> state of each optional backend (hmoe.backends.BACKENDS); one that fails reads as
     unusable with the reason."""
-    out = {}
-    for name, fn in list(BACKEND_PROBES.items()):
-        try:
-            st = fn()
-            st = dict(st) if isinstance(st, dict) else {"detail": str(st)}
-            st.setdefault("usable", None)
-            st["detail"] = str(st.get("detail", ""))
-            out[name] = st
-        except Exception as e:
-            out[name] = {"usable": False, "detail": f"probe raised {type(e).__name__}: {e}"}
-    return out
+    from .. import backends
+
+    return backends.states()
 
 
 def _why(e: BaseException) -> str:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import collections
 
-from .. import _env, validation as V
+from .. import _env, backends, validation as V
 from .._native import spec
-from . import _cuda, _pages, mla_flashinfer  # importing mla_flashinfer registers "flashinfer-fa2"/"-fa3"
+from . import _cuda, _pages
 
 _C = spec.constants()
 D_CKV, D_PE = _C["mla_dim_ckv"], _C["mla_dim_pe"]
@@ -61,7 +61,7 @@ def plan(index: int, batch: int, heads: int, max_pages: int, page_size: int, *, 
     (default: $HMOE_MLA_CONFIG, $HMOE_MLA_TMA; see _overrides)."""
     config, tma = _overrides(config, tma)
     sel = _cuda.select("mla_decode", index, variant) if variant else _cuda.select("mla_decode", index, own=True)
-    if not sel.module:
+    if sel.backend:
         raise ValueError(f"mla_decode variant {sel.variant} is not hmoe's: it has no hmoe plan")
     mod = _cuda.module(index, "mla_decode", sel=sel)
     return MlaPlan(*mod.mla_decode_plan(index, batch, heads, max_pages, page_size, config, tma))
@@ -110,7 +110,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
         V.tensor("q_nope", q_nope, ndim=3, dtypes=V.half_dtypes(), device="cuda")
         raise AssertionError("unreachable: q_nope passed the checks of a CUDA tensor")
     sel = _cuda.select("mla_decode", index, variant)
-    fi = not sel.module  # a flashinfer backend; hmoe's own module still checks the arguments
+    fi = sel.backend  # an optional backend (flashinfer); hmoe's own module still checks the arguments
     mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True) if fi else sel)
     check_indices = check_indices or _env.get("HMOE_CHECK_INDICES") == "1"
     if fi or check_indices:
@@ -118,8 +118,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
         if check_indices:
             validate_indices(page_table, seq_lens, ckv_cache.shape[1], ckv_cache.shape[0])
         if fi:
-            return mla_flashinfer.run(sel.variant, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens,
-                                      sm_scale=float(sm_scale), return_lse=return_lse, out=out)
+            return backends.run(sel.variant, "mla_decode", q_nope, q_pe, ckv_cache, kpe_cache, page_table,
+                                seq_lens, sm_scale=float(sm_scale), return_lse=return_lse, out=out)
     config, tma = _overrides(None, None)
     return mod.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
                           config, tma)

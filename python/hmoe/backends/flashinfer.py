@@ -1,5 +1,6 @@
-"""mla_decode's variants "flashinfer-fa2"/"flashinfer-fa3" (flashinfer's BatchMLAPagedAttentionWrapper), used
-only after pre-validation; not capturable: plan() needs seq_lens on the host, so each call synchronises."""
+"""The flashinfer backend (hmoe.backends): mla_decode's variants "flashinfer-fa2"/"flashinfer-fa3" (flashinfer's
+BatchMLAPagedAttentionWrapper), used only after pre-validation; not capturable: plan() needs seq_lens on the host,
+so each call synchronises."""
 from __future__ import annotations
 
 import functools
@@ -13,10 +14,10 @@ import shutil
 import sys
 import threading
 
-from .. import dispatch, validation as V
-from . import _cuda, _pages
+from .. import _reference, validation as V
+from ..ops import _cuda, _pages
 
-log = logging.getLogger("hmoe.ops.mla_flashinfer")
+log = logging.getLogger("hmoe.backends.flashinfer")
 
 BACKENDS = ("fa2", "fa3")
 HOPPER = (9, 0)
@@ -27,8 +28,6 @@ KNOWN = {"fa2": ({(8, 0), (9, 0)}, ((0, 6, 0), (0, 7, 0))),
          "fa3": ({HOPPER}, ((0, 6, 0), (0, 7, 0)))}
 FA3_MIN_CUDA = (12, 3)          # flashinfer's own floor for its sm90a kernels
 WORKSPACE_BYTES = 128 << 20     # flashinfer's recommended split-KV workspace, per (device, backend)
-TOL = {"bfloat16": 1.2e-2, "float16": 2e-3}  # normwise, as tests/ops: a few roundings of the dtype
-LSE_TOL = 1e-2                  # absolute: a log2 read as ln is off by 30%, and lse here is 3 or more
 D_CKV, D_PE = 512, 64
 
 
@@ -173,20 +172,17 @@ def _has_fallback(backend: str, cc) -> bool:
     return backend == "fa3" and tuple(cc) == HOPPER
 
 
-def selection_check(backend: str):
-    """check() as dispatch calls it; on Hopper a refused fa3 is served by fa2, as the reason then says."""
-    def hook(cc, driver_cuda):
-        ok, why = check(backend, cc, driver_cuda)
-        if ok or not _has_fallback(backend, cc):
-            return ok, why
-        ok2, why2 = check("fa2", cc, driver_cuda)
-        return (True, f"fa3 refused ({why}); falls back to fa2: {why2}") if ok2 else \
-            (False, f"fa3: {why}; fa2 (its fallback): {why2}")
-    return hook
+def selectable(name: str, cc, driver_cuda=None) -> tuple[bool, str]:
+    """hmoe.backends' check: check() for "flashinfer-<backend>"; on Hopper a refused fa3 is served by
+    fa2, as the reason then says."""
+    backend = name.removeprefix("flashinfer-")
+    ok, why = check(backend, cc, driver_cuda)
+    if ok or not _has_fallback(backend, cc):
+        return ok, why
+    ok2, why2 = check("fa2", cc, driver_cuda)
+    return (True, f"fa3 refused ({why}); falls back to fa2: {why2}") if ok2 else \
+        (False, f"fa3: {why}; fa2 (its fallback): {why2}")
 
-
-for _b in BACKENDS:
-    dispatch.register_gpu_variant(f"flashinfer-{_b}", selection_check(_b), ops=("mla_decode",))
 
 # --- the expensive checks, once per process, and the runs (dict reads and setdefault are atomic) ---------
 _checked: dict = {}    # (index, backend, dtype name) -> state (see states())
@@ -258,22 +254,6 @@ def _forward(torch, engine, q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_sca
         lse.mul_(lse_scale)  # -inf stays -inf
 
 
-def reference(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
-    """(out fp32 [B, H, 512], lse fp32 [B, H], natural log) from the gathered pages, in fp64 (no TF32,
-    no intermediate rounding): the math of hmoe.ops.mla_decode's docstring, for small problems."""
-    torch = V.torch_module()
-    (B, H, _), page, dev = q_nope.shape, ckv.shape[1], q_nope.device
-    out = torch.zeros(B, H, D_CKV, dtype=torch.float64, device=dev)
-    lse = torch.full((B, H), -math.inf, dtype=torch.float64, device=dev)
-    for b, L in enumerate(seq_lens.tolist()):
-        if L > 0:
-            pages = page_table[b, : (L + page - 1) // page].long()
-            kv, pe = ckv[pages].reshape(-1, D_CKV)[:L].double(), kpe[pages].reshape(-1, D_PE)[:L].double()
-            s = (q_nope[b].double() @ kv.T + q_pe[b].double() @ pe.T) * sm_scale
-            lse[b], out[b] = torch.logsumexp(s, -1), torch.softmax(s, -1) @ kv
-    return out.float(), lse.float()
-
-
 def _selfcheck(torch, engine, device, dtype) -> tuple[bool, str, float]:
     """The engine on a small problem (shuffled pages, NaN in unused slots, page-table garbage, a 0-length request)
     against reference(): (ok, numbers, the factor making its lse natural: flashinfer's default is base 2)."""
@@ -292,7 +272,7 @@ def _selfcheck(torch, engine, device, dtype) -> tuple[bool, str, float]:
     out = torch.empty(B, H, D_CKV, dtype=dtype, device=device)
     lse = torch.empty(B, H, dtype=torch.float32, device=device)
     _forward(torch, engine, *args, scale, out, lse, 1.0)
-    ref_o, ref_l = (t.cpu() for t in reference(*args, scale))
+    ref_o, ref_l = (t.cpu() for t in _reference.mla_decode(*args, scale))
     o, l, live = out.float().cpu(), lse.cpu(), torch.tensor(lens) > 0
     if not bool(o[live].isfinite().all() and l[live].isfinite().all()):
         return False, "self-check failed: non-finite output or lse", 1.0
@@ -300,10 +280,10 @@ def _selfcheck(torch, engine, device, dtype) -> tuple[bool, str, float]:
     e_nat, e_two = (float((l[live] * f - ref_l[live]).abs().max()) for f in (1.0, math.log(2)))
     factor, lse_err = (1.0, e_nat) if e_nat <= e_two else (math.log(2), e_two)
     zero_ok = bool((o[~live] == 0).all() and l[~live].isneginf().all())
-    tol = TOL[_dtname(dtype)]
-    numbers = (f"out rel. error {err:.1e} (tol {tol:.0e}), lse max error {lse_err:.1e} (tol {LSE_TOL:.0e}, "
+    tol, lse_tol = _reference.tolerance("mla_decode", dtype), _reference.MLA_LSE_ATOL
+    numbers = (f"out rel. error {err:.1e} (tol {tol:.0e}), lse max error {lse_err:.1e} (tol {lse_tol:.0e}, "
                f"{'natural' if factor == 1.0 else 'base 2, converted'})" + ("" if zero_ok else ", 0-length rows wrong"))
-    ok = err <= tol and lse_err <= LSE_TOL and zero_ok
+    ok = err <= tol and lse_err <= lse_tol and zero_ok
     return ok, f"self-check {'passed' if ok else 'failed'}: {numbers}", factor
 
 
@@ -388,13 +368,24 @@ def run(variant, q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm
     return (out, lse) if return_lse else out
 
 
-def compat_state(backend: str) -> dict:
-    """hmoe.compat.BACKEND_PROBES["flashinfer-<backend>"]: the cheap checks for each visible GPU (no
+def warm(name: str, index: int) -> None:
+    """hmoe.backends' warm-up: prewarm() of this one backend (bfloat16)."""
+    prewarm(index, backends=(name.removeprefix("flashinfer-"),))
+
+
+def run_mla_decode(name, *args, **kwargs):
+    """hmoe.backends' entry for mla_decode: run()."""
+    return run(name, *args, **kwargs)
+
+
+def compat_state(name: str) -> dict:
+    """hmoe.backends' state of "flashinfer-<backend>": the cheap checks for each visible GPU (no
     flashinfer import, no JIT), then what this process's expensive checks found (states())."""
+    backend = name.removeprefix("flashinfer-")
     det = importlib.import_module("hmoe.hardware.gpu").detect()
     ccs = sorted({d.compute_capability for d in det.visible if d.compute_capability})
     results = [(ok, why if len(ccs) == 1 else f"{_dot(cc)}: {why}") for cc in ccs
-               for ok, why in [selection_check(backend)(cc, det.driver_cuda)]] or \
+               for ok, why in [selectable(name, cc, det.driver_cuda)]] or \
         [(False, ("" if installed()[0] else "flashinfer is not installed; ") + "no CUDA GPU visible")]
     done = [f"{s['device']} {s['dtype']}: {s['detail']}" + ("; fa3 requests run on fa2" if s.get("fallback") else "")
             for s in states() if s["backend"] == backend]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hmoe import dispatch
-from hmoe.ops import mla_flashinfer as mf
+from hmoe.backends import flashinfer as mf
 
-from .mla_reference import TOL, make_cache, mla_reference, rel_err
+from ..ops.mla_reference import TOL, make_cache, mla_reference, rel_err
 
 SCALE = 1.0 / (192 ** 0.5)
 
@@ -105,7 +105,8 @@ def test_registered_for_mla_decode_only(fi):
     sel = _select("flashinfer-fa2")
     assert sel.variant == "flashinfer-fa2" and sel.module == "" and "flashinfer 0.6.0 fa2 on 9.0" in sel.reason
     assert "JIT-compiles on first use with nvcc 12.8" in sel.reason
-    assert dispatch._extra_for("flashinfer-fa3", "grouped_topk") is None
+    from hmoe import backends
+    assert sel.backend and not backends.serves("flashinfer-fa3", "grouped_topk")
 
 
 def test_absent_flashinfer_refuses_both(fi):
@@ -219,7 +220,7 @@ def test_lse_base_comes_from_the_self_check(fi):
 def test_fa3_failing_self_check_falls_back_to_fa2(fi, caplog):
     FakeWrapper.wrong["fa3"] = 0.5
     args = _problem()
-    with caplog.at_level(logging.WARNING, logger="hmoe.ops.mla_flashinfer"):
+    with caplog.at_level(logging.WARNING, logger="hmoe.backends.flashinfer"):
         out = mf.run("flashinfer-fa3", *args, sm_scale=SCALE)
         mf.run("flashinfer-fa3", *args, sm_scale=SCALE)
     ref_o, _ = mla_reference(*args, SCALE)
@@ -282,7 +283,7 @@ def test_compat_probe(fi, monkeypatch):
 
 
 def test_torch_cuda_without_importing_torch():
-    code = "import sys; from hmoe.ops import mla_flashinfer as m; print(m._hw.torch_cuda(), 'torch' in sys.modules)"
+    code = "import sys; from hmoe.backends import flashinfer as m; print(m._hw.torch_cuda(), 'torch' in sys.modules)"
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     want = tuple(int(x) for x in torch.version.cuda.split(".")[:2]) if torch.version.cuda else None
     assert got == f"{want} False"
