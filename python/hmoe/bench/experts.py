@@ -222,11 +222,12 @@ def run_shape_dtype(shape, dname, opts, copy_gbps, emit, progress, flush):
                 "x_dtype": xname, "weight_bytes_resident": wbytes, "prepack_s": prepack_s,
                 "packed_bytes": getattr(experts, "packed_bytes", None)}
         impls = [("torch-loop", "torch", torch.get_num_threads(),
-                  lambda x, i, w: torch_expert_loop(x, i, w, w13, w2), None)]
+                  lambda x, i, w, w13=w13, w2=w2: torch_expert_loop(x, i, w, w13, w2), None)]
         impls.append(("CPUExperts", isa, hmoe.get_num_threads(), experts, err))
         if T <= DECODE_MAX_T:
             impls.append(("moe_experts_cpu", isa, hmoe.get_num_threads(),
-                          lambda x, i, w: hmoe.ops.moe_experts_cpu(x, i, w, w13, w2, isa=opts.isa), None))
+                          lambda x, i, w, w13=w13, w2=w2: hmoe.ops.moe_experts_cpu(x, i, w, w13, w2, isa=opts.isa),
+                          None))
         ref_ms, ref = None, None
         for name, row_isa, threads, fn, fn_err in impls:
             row = dict(base, impl=name, isa=row_isa, threads=threads)

@@ -195,7 +195,7 @@ def gpu_copy_bandwidth(device, nbytes: int | None = None, repeats: int = 10) -> 
         src = torch.empty(n, dtype=torch.float32, device=device).uniform_(-1.0, 1.0)
         dst = torch.empty_like(src)
         dst.copy_(src)  # first launch of the copy kernel and clocks ramping up stay out of the timing
-        times = [ms / 1e3 for ms in cuda_event_ms(lambda: dst.copy_(src), repeats)]
+        times = [ms / 1e3 for ms in cuda_event_ms(lambda dst=dst, src=src: dst.copy_(src), repeats)]
         del src, dst
         torch.cuda.empty_cache()
     return _copy_result("torch Tensor.copy_ of one contiguous fp32 device buffer into another, CUDA events",
@@ -212,7 +212,7 @@ def gpu_matmul_tflops(device, n: int = 8192, repeats: int = 10) -> dict:
         c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
         for _ in range(3):  # cuBLAS heuristics and clocks settle
             torch.matmul(a, b, out=c)
-        ms = statistics.median(cuda_event_ms(lambda: torch.matmul(a, b, out=c), repeats))
+        ms = statistics.median(cuda_event_ms(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), repeats))
         del a, b, c
         torch.cuda.empty_cache()
     return {"method": f"bf16 torch.matmul {n}x{n}x{n}, random data, CUDA events", "n": n,

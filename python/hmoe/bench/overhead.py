@@ -55,7 +55,8 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     logits, bias = torch.randn(T, 64, generator=g), torch.randn(64, generator=g)
     topk = dict(top_k=6, n_group=8, topk_group=3, scoring="sigmoid", routed_scaling_factor=2.5)
     tiny = f"T={T} H={H} I={I} E={E} K={K} bf16"
-    out = [("grouped_topk", "cpu", "T=1 E=64 top-6 sigmoid, 8 groups", lambda: hmoe.ops.grouped_topk(logits, bias=bias, **topk), None, CPU_GOAL_US),
+    out = [("grouped_topk", "cpu", "T=1 E=64 top-6 sigmoid, 8 groups",
+            lambda: hmoe.ops.grouped_topk(logits, bias=bias, **topk), None, CPU_GOAL_US),
            ("moe_experts_cpu", "cpu", tiny, lambda: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2), None, CPU_GOAL_US),
            ("CPUExperts", "cpu", tiny, lambda: experts(x, ids, w), None, CPU_GOAL_US)]
     if device is None:
