@@ -1,5 +1,5 @@
-// The combine step of the portable MLA decode (mla_decode_portable.cu): merges the fp32 partials
-// of a call's KV splits into the output.
+// The combine step of MLA decode (every family): merges the fp32 partials of a call's KV splits
+// into the output, through the shared split-KV merge (attention/merge.h).
 #pragma once
 #include <cuda_runtime.h>
 

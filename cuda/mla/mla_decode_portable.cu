@@ -23,6 +23,7 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.h"
+#include "attention/softmax.cuh"
 #include "mla/mla_combine.h"
 #include "mla/mla_decode.h"
 #include "mla/mla_kv_ring.cuh"
@@ -33,9 +34,9 @@ namespace {
 using namespace mla;
 
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kLazy = 8.f;  // log2 headroom of the running max (see the softmax)
+using attn::exp2_ftz;
+using attn::kLn2;
+using attn::kLog2e;
 
 constexpr int kStages = 2;   // ring buffers
 
@@ -94,15 +95,6 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint
 HMOE_MMA16816(__nv_bfloat16, "bf16")
 HMOE_MMA16816(__half, "f16")
 #undef HMOE_MMA16816
-
-// 2^x on the SFU, subnormal results flushed to zero (exp2f adds a rescale for them: 3 more
-// instructions a call). The softmax's p are at most 2^kLazy and the sum they feed holds a 1 for
-// the running max, so a p below 2^-126 is noise however it rounds.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Programmatic dependent launch (sm_90+; a no-op before): the decode kernel lets the combine
 // kernel (mla_combine.cu) launch while its CTAs finish.
@@ -183,7 +175,8 @@ __global__ void __launch_bounds__(32 * kWarps)
   const KvLoader loader(p);
   const TmaLoader tma{&maps.ckv, &maps.kpe};
   const uint32_t bar0 = smem_addr(smem + L::bars) + warp * kStages * 8;  // this warp's mbarriers
-  TokenWalk walk(p, b, len, t0 * kTile + (LOADER == kLoadRows ? lane : 0));
+  TokenWalk walk(p.page_table + int64_t(b) * p.max_pages, len, p.page_size, p.num_pages,
+                 t0 * kTile + (LOADER == kLoadRows ? lane : 0));
   auto issue = [&](int stage) {
     const uint32_t buf = kv_s + stage * kTileBytes;
     if constexpr (kTma) {
@@ -297,8 +290,8 @@ __global__ void __launch_bounds__(32 * kWarps)
 
     // Online softmax, kTpr threads per head, kCpt score columns each (thread sq of a head takes
     // the 4-column chunks sq, sq + kTpr, ...): the 4 partial sums, scaled, masked. The running max
-    // only moves when a score exceeds it by more than 2^kLazy (p then stays <= 2^kLazy, exact in
-    // fp32 and in P's dtype): one vote says whether any head of the warp needs it to, and only
+    // only moves when a score exceeds it by more than 2^kLazy (attention/softmax.cuh): one vote
+    // says whether any head of the warp needs it to, and only
     // then is the row max reduced over the head's threads; so alpha is exactly 1 on most tiles
     // and O's rescale is skipped. Each thread sums its own columns' p (l_run), so no reduction
     // stands between the exponentials and the barrier.
@@ -324,11 +317,7 @@ __global__ void __launch_bounds__(32 * kWarps)
         mx = fmaxf(mx, v[c]);
       }
       const float m_old = m_run;
-      if (__any_sync(0xffffffffu, mx > m_old + kLazy || m_old == -INFINITY)) {
-        mx = warp_max<kTpr>(mx);
-        // m_old = -inf: nothing seen yet; all masked so far (mx = -inf too): p = 0 with m = 0.
-        m_run = mx > m_old + kLazy ? mx : m_old == -INFINITY ? 0.f : m_old;
-      }
+      if (__any_sync(0xffffffffu, attn::max_moves(m_old, mx))) m_run = attn::next_max(m_old, warp_max<kTpr>(mx));
       float sum = 0.f;
       uint32_t pk[kCpt / 2];
 #pragma unroll
@@ -340,7 +329,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4)
         *reinterpret_cast<uint2*>(p_s + srow * L::kPRow + 4 * (sq + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
-      const float alpha = m_old == m_run ? 1.f : m_old == -INFINITY ? 0.f : exp2_ftz(m_old - m_run);
+      const float alpha = attn::rescale(m_old, m_run);
       l_run = l_run * alpha + sum;
       if (sq == 0) a_s[srow] = alpha;
       moved = alpha != 1.f;
@@ -397,7 +386,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       if (h >= p.heads) continue;
       const float l = l_s[row];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float lse2 = l > 0.f ? m_s[row] + log2f(l) : -INFINITY;
+      const float lse2 = attn::lse2(m_s[row], l);
       const int64_t bh = int64_t(b) * p.heads + h;
       const int col0 = warp * kDimsW + (lane % 4) * 2;
       if (p.num_splits == 1) {

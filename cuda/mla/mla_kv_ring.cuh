@@ -1,5 +1,5 @@
 // The KV side of the portable MLA decode kernel (mla_decode_portable.cu): the layout of a tile in
-// the shared-memory ring, the walk over a request's page table, and the two ways a warp fills its
+// the shared-memory ring, the page walk it uses (attention/page_walk.cuh), and the two ways a warp fills its
 // part of a ring buffer: cp.async (every target) and, on sm_90 and newer for tiles that lie in one
 // page, the tensor-memory accelerator (TMA: three bulk copies a warp, completion on an mbarrier).
 //
@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "attention/page_walk.cuh"
 #include "hmoe/mla_decode.h"
 
 namespace hmoe {
@@ -61,46 +62,8 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// A walk over one token of each tile (lane l's token l, or the tile's first token when a tile lies
-// in one page): the token's page-table entry is read two tiles ahead and only turned into a cache
-// row (and checked) when the tile is issued, one iteration later, so the page-table latency stays
-// off the loop's critical path. Rows past the sequence or outside the cache are -1, zero-filled
-// (their scores are masked to -inf, but 0 * NaN from stale cache rows in P V would still poison
-// the output). The page index and offset advance by a tile per step, without division.
-struct TokenWalk {
-  const int* table;  // the request's page-table row
-  int len, page_size, num_pages;
-  int tok, pg, off;  // the token whose entry is read next, its page index and offset
-  int page, page_off, page_tok;  // the last entry read (raw; -1 past the sequence), its offset and token
-
-  __device__ __forceinline__ TokenWalk(const MlaDecodeParams& p, int b, int len_, int first)
-      : table(p.page_table + int64_t(b) * p.max_pages), len(len_), page_size(p.page_size),
-        num_pages(p.num_pages), tok(first), pg(first / p.page_size), off(first % p.page_size) {}
-
-  // Reads the entry of the current token, then moves to the same lane's token of the next tile.
-  __device__ __forceinline__ void read() {
-    int lane_zero;  // 0, opaque to the compiler (see uniform_row)
-    asm("mov.b32 %0, 0;" : "=r"(lane_zero));
-    page = tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1;  // tok < len <= max_pages * page_size: pg is in the row
-    page_off = off;
-    page_tok = tok;
-    tok += kTile;
-    off += kTile;
-    while (off >= page_size) off -= page_size, ++pg;
-  }
-  // The cache row of the entry read last (the launcher checks that rows fit in an int32).
-  __device__ __forceinline__ int row() const {
-    return page >= 0 && page < num_pages ? page * page_size + page_off : -1;
-  }
-  // row() when every lane walks the same token, as a warp-uniform value: lane 0's by shuffle. An
-  // entry the compiler knows to be warp-uniform goes into a uniform register right after its load,
-  // where the warp then waits for it (~2% of the 128-head kernel's stall samples, just before
-  // the first barrier); read() hides that from it, so the entry waits in an ordinary register
-  // until the tile is issued, one step later.
-  __device__ __forceinline__ int uniform_row() const { return __shfl_sync(0xffffffffu, row(), 0); }
-  // Tokens of the sequence from the entry's token on, at most a tile.
-  __device__ __forceinline__ int valid() const { return min(max(len - page_tok, 0), kTile); }
-};
+// The page walk of every attention kernel (attention/page_walk.cuh) over tiles of kTile tokens.
+using TokenWalk = attn::PageWalk<kTile>;
 
 // The cp.async copies of one warp: its 16 latent chunks of each of a tile's 32 rows (16 copies:
 // lanes 0-15 take row 2i, lanes 16-31 row 2i + 1) and its 2 rope chunks (2 copies: lane l takes
