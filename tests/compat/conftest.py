@@ -14,8 +14,8 @@ class FakeProbe:
                         "cuda_available": False, "devices": []},
               "flashinfer": {"installed": False}}
 
-    def __init__(self, timeout=120.0, python=None):
-        pass
+    def __init__(self, timeout=120.0, python=None, mla_shapes=()):
+        self.mla_shapes = mla_shapes
 
     def result(self):
         import copy

@@ -132,3 +132,19 @@ def test_cli_with_broken_torch(tmp_path):
     p = cli(pythonpath=fake, cwd=tmp_path)
     assert p.returncode == 1 and "torch is broken: ImportError: undefined symbol" in p.stdout
     assert "torch         broken" in p.stdout
+
+
+def test_mla_plans(tmp_path):
+    p = cli("--json", "--mla-shape", "1x32768x128", "--mla-shape", "64x4096x16:32", cwd=tmp_path)
+    rep = json.loads(p.stdout)
+    assert minischema.errors(rep, SCHEMA) == []
+    shapes = {r["shape"] for r in rep["plans"]}
+    assert shapes == {"1x32768x128 page 64", "64x4096x16 page 32"}
+    if gpu.detect(refresh=True).visible:
+        assert all(r["plan"] and "KV split" in r["plan"] for r in rep["plans"]), rep["plans"]
+    else:
+        assert all(r["plan"] is None and r["error"] for r in rep["plans"])
+    sim = json.loads(cli("--json", "--simulate-gpu", "9.0", "--mla-shape", "2x4096x16", cwd=tmp_path).stdout)
+    assert sim["plans"][0]["error"].startswith("plans need the real GPU")
+    bad = cli("--mla-shape", "1x2", cwd=tmp_path)
+    assert bad.returncode == 2 and "not a shape" in bad.stderr

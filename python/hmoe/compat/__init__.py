@@ -24,6 +24,18 @@ def _cc_arg(text: str) -> str:
     return f"{a}.{b}"
 
 
+def _shape_arg(text: str) -> tuple[int, int, int, int]:
+    shape, _, page = text.partition(":")
+    parts = shape.lower().split("x")
+    try:
+        values = [int(v) for v in parts] + [int(page) if page else 64]
+    except ValueError:
+        values = []
+    if len(values) != 4 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (write it like 1x32768x128 or 64x4096x16:32)")
+    return tuple(values)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hmoe.compat",
                                 description="Diagnose hmoe on this machine (or on simulated hardware).")
@@ -37,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                         "of this machine's; repeatable")
     c.add_argument("--simulate-cpu", metavar="ISA", default=None,
                    help="select for a CPU with exactly this ISA level (generic, avx2, ...)")
+    c.add_argument("--mla-shape", metavar="BxSxH[:PAGE]", action="append", type=_shape_arg, default=[],
+                   help="show the plan mla_decode follows for this shape (batch x sequence length x heads, "
+                        "page size default 64) on each CUDA device; repeatable")
     c.add_argument("--selftest", action="store_true",
                    help="run each selected variant once on small random inputs against a reference")
     c.add_argument("--color", choices=("auto", "always", "never"), default="auto")
@@ -103,7 +118,7 @@ def check(argv=None, *, stdout=None) -> int:
             return 2
     try:
         rep = report(simulate_gpu=args.simulate_gpu, simulate_cpu=args.simulate_cpu,
-                     selftest=args.selftest)
+                     selftest=args.selftest, mla_shapes=args.mla_shape)
         if args.json:
             text = json.dumps(rep, indent=2, default=str) + "\n"
         else:

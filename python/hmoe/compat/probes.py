@@ -42,6 +42,27 @@ except ModuleNotFoundError as e:
     out["flashinfer"] = {"installed": False} if e.name == "flashinfer" else {"installed": True, "error": why(e)}
 except BaseException as e:
     out["flashinfer"]["error"] = why(e)
+shapes = [tuple(s) for s in json.loads(sys.argv[1])] if len(sys.argv) > 1 else []
+if shapes:
+    out["plans"] = []
+    try:
+        import torch
+        from hmoe.ops import mla
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except BaseException as e:
+        n, broken = 0, why(e)
+    else:
+        broken = None if n else "no CUDA device torch can use"
+    for B, S, H, page in shapes:
+        name = f"{B}x{S}x{H} page {page}"
+        if not n:
+            out["plans"].append({"device": "-", "shape": name, "plan": None, "error": broken})
+        for i in range(n):
+            try:
+                plan = mla.plan(i, B, H, -(-S // page), page).describe()
+                out["plans"].append({"device": f"cuda:{i}", "shape": name, "plan": plan, "error": None})
+            except BaseException as e:
+                out["plans"].append({"device": f"cuda:{i}", "shape": name, "plan": None, "error": why(e)})
 sys.stdout.write("\n" + json.dumps(out))
 """
 
@@ -60,10 +81,10 @@ class Child:
     (None, why) when the child could not start, died (by which signal), exited badly or ran past
     its time limit (then it is killed)."""
 
-    def __init__(self, code: str, timeout: float, python: str | None = None):
+    def __init__(self, code: str, timeout: float, python: str | None = None, args=()):
         self.timeout, self.proc, self.error = timeout, None, None
         try:
-            self.proc = subprocess.Popen([python or sys.executable, "-c", code], stdout=subprocess.PIPE,
+            self.proc = subprocess.Popen([python or sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         except Exception as e:
             self.error = f"could not start {python or sys.executable}: {e}"
@@ -93,10 +114,13 @@ class Child:
 
 
 class PythonProbe:
-    """torch and flashinfer imported in a child (see Child)."""
+    """torch and flashinfer imported in a child (see Child); with `mla_shapes` ((B, S, H, page),
+    ...) the child also computes mla_decode's plan for each on every CUDA device (it has torch
+    and a CUDA context; the check itself has neither)."""
 
-    def __init__(self, timeout: float = 120.0, python: str | None = None):
-        self.child = Child(_CHILD, timeout_s(timeout), python)
+    def __init__(self, timeout: float = 120.0, python: str | None = None, mla_shapes=()):
+        args = (json.dumps([list(s) for s in mla_shapes]),) if mla_shapes else ()
+        self.child = Child(_CHILD, timeout_s(timeout), python, args)
 
     def result(self) -> dict:
         data, why = self.child.result()

@@ -168,6 +168,10 @@ def render(rep: dict, colour: bool = False) -> str:
             fn()
         except Exception as e:  # a surprise in the data must not hide the other sections
             out.append(f"  (could not render this section: {type(e).__name__}: {e})")
+    if rep.get("plans") is not None:
+        head("mla_decode plans (--mla-shape)")
+        for r in rep["plans"]:
+            out.append(f"  {r['device']}  {r['shape']}: {r['plan'] or 'none: ' + str(r['error'])}")
     if rep.get("selftests") is not None:
         head("self-tests")
         for r in rep["selftests"]:

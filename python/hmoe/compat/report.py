@@ -266,13 +266,14 @@ def _loadable(manifest, real_cpu) -> list[str]:
 
 
 def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool = False,
-           _python=None) -> dict:
+           mla_shapes=(), _python=None) -> dict:
     """The full report as JSON-ready data (see schema.json). simulate_gpu: compute capabilities
     ("8.6", "9.0", ...) to select for instead of this machine's GPUs; simulate_cpu: an ISA level
-    of arch/cpu.json; selftest: run the selected variants once against references."""
+    of arch/cpu.json; selftest: run the selected variants once against references; mla_shapes:
+    (batch, seq_len, heads, page_size) tuples whose mla_decode plan to show for each CUDA device."""
     problems = _Problems()
     # Children first (they run while the rest is probed): what could crash or hang this process.
-    child = probes.PythonProbe(python=_python)
+    child = probes.PythonProbe(python=_python, mla_shapes=() if simulate_gpu else mla_shapes)
     nvml = probes.NvmlProbe() if not simulate_gpu and _gpu._NVML_HOOK is None else None
     core = probes.ModuleProbe("cpu_core")
     rep = {"schema_version": SCHEMA_VERSION, "simulated": {"gpu": [str(c) for c in simulate_gpu],
@@ -315,6 +316,13 @@ def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool =
             rows += _cpu_selections(manifest, cpu_info, problems, bool(simulate_cpu))
         rows += _gpu_selections(manifest, det, {} if simulate_gpu else torch_sec, problems)
     rep["selections"] = rows
+    rep["plans"] = None
+    if mla_shapes:
+        rep["plans"] = py.get("plans") or [
+            {"device": "-", "shape": f"{B}x{S}x{H} page {page}", "plan": None,
+             "error": "plans need the real GPU (not with --simulate-gpu)" if simulate_gpu else
+             (py.get("torch") or {}).get("error") or "the torch child process gave no plans"}
+            for B, S, H, page in mla_shapes]
 
     rep["selftests"] = None
     if selftest:
