@@ -27,15 +27,18 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   HMOE_DEF(m, check_tensor, {
     const std::string label = name.cast<std::string>();
     if (where < 0 || where > 3) throw std::invalid_argument("check_tensor: where must be 0..3");
-    hb::tensor(t, label.c_str(), uint32_t(dtypes), ndim, static_cast<hb::Where>(where), hb::bool_arg(contiguous, "contiguous"));
+    hb::tensor(t, label.c_str(), uint32_t(dtypes), ndim, static_cast<hb::Where>(where),
+               hb::bool_arg(contiguous, "contiguous"));
   });
   HMOE_DEF(m, grouped_topk, {
-    return hb::grouped_topk_entry(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize,
-                                  routed_scaling_factor, [](const hmoe::GroupedTopkParams& p, int32_t device) {
-      if (device >= 0) hb::value_error("grouped_topk: router_logits is on cuda:" + std::to_string(device) +
-                                       "; the CPU module runs CPU tensors only");
-      py::gil_scoped_release nogil;
-      hmoe::grouped_topk_cpu(p);  // std::invalid_argument -> ValueError
-    });
+    return hb::grouped_topk_entry(
+        router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor,
+        [](const hmoe::GroupedTopkParams& p, int32_t device) {
+          if (device >= 0)
+            hb::value_error("grouped_topk: router_logits is on cuda:" + std::to_string(device) +
+                            "; the CPU module runs CPU tensors only");
+          py::gil_scoped_release nogil;
+          hmoe::grouped_topk_cpu(p);  // std::invalid_argument -> ValueError
+        });
   });
 }

@@ -50,19 +50,19 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   });
 #if HMOE_HAS_grouped_topk
   HMOE_DEF(m, grouped_topk, {
-    return hb::grouped_topk_entry(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize,
-                                  routed_scaling_factor, [](const hmoe::GroupedTopkParams& p, int32_t device) {
-      if (device < 0) hb::value_error("grouped_topk: router_logits is on the CPU; this module runs CUDA tensors");
-      void* stream = hb::current_stream(device);
-      py::gil_scoped_release nogil;
-      hmoe::grouped_topk_cuda(p, device, reinterpret_cast<uintptr_t>(stream));
-    });
+    return hb::grouped_topk_entry(
+        router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor,
+        [](const hmoe::GroupedTopkParams& p, int32_t device) {
+          if (device < 0) hb::value_error("grouped_topk: router_logits is on the CPU; this module runs CUDA tensors");
+          void* stream = hb::current_stream(device);
+          py::gil_scoped_release nogil;
+          hmoe::grouped_topk_cuda(p, device, reinterpret_cast<uintptr_t>(stream));
+        });
   });
 #endif
 #if HMOE_HAS_mla_decode
-  HMOE_DEF(m, mla_decode_check, {
-    hb::mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out);
-  });
+  HMOE_DEF(m, mla_decode_check,
+           { hb::mla_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out); });
   HMOE_DEF(m, mla_decode, {
     return hb::mla_decode_entry(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
                                 config, allow_tma);

@@ -43,10 +43,10 @@
 #define HMOE_FE_15(M, p, ...) M p, HMOE_FE_14(M, __VA_ARGS__)
 #define HMOE_FE_16(M, p, ...) M p, HMOE_FE_15(M, __VA_ARGS__)
 #define HMOE_FE_PICK(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, N, ...) N
-#define HMOE_FOR_EACH(M, ...)                                                                              \
-  HMOE_FE_PICK(__VA_ARGS__, HMOE_FE_16, HMOE_FE_15, HMOE_FE_14, HMOE_FE_13, HMOE_FE_12, HMOE_FE_11,       \
-               HMOE_FE_10, HMOE_FE_9, HMOE_FE_8, HMOE_FE_7, HMOE_FE_6, HMOE_FE_5, HMOE_FE_4, HMOE_FE_3,     \
-               HMOE_FE_2, HMOE_FE_1)(M, __VA_ARGS__)
+#define HMOE_FOR_EACH(M, ...)                                                                                   \
+  HMOE_FE_PICK(__VA_ARGS__, HMOE_FE_16, HMOE_FE_15, HMOE_FE_14, HMOE_FE_13, HMOE_FE_12, HMOE_FE_11, HMOE_FE_10, \
+               HMOE_FE_9, HMOE_FE_8, HMOE_FE_7, HMOE_FE_6, HMOE_FE_5, HMOE_FE_4, HMOE_FE_3, HMOE_FE_2,          \
+               HMOE_FE_1)(M, __VA_ARGS__)
 #define HMOE_PARAM(kind, name) HMOE_T_##kind name
 #define HMOE_PARAMS(...) HMOE_FOR_EACH(HMOE_PARAM, __VA_ARGS__)
 #define HMOE_STRV_(...) #__VA_ARGS__
@@ -83,8 +83,8 @@ template <typename HasOp>
 void def_common(py::module_& m, const char* kind, HasOp has_op) {
   m.def("abi_version", [] { return HMOE_ABI_VERSION; });
   py::dict table;
-#define HMOE_TABLE_ROW(module_kind, op, name, ret, ...)                                           \
-  if (std::strcmp(#module_kind, kind) == 0 && has_op(#op))                                         \
+#define HMOE_TABLE_ROW(module_kind, op, name, ret, ...)    \
+  if (std::strcmp(#module_kind, kind) == 0 && has_op(#op)) \
     table[#name] = std::string(#name "(") + canonical_args(HMOE_STRV(__VA_ARGS__)) + ") -> " + ret;
   HMOE_ENTRY_POINTS(HMOE_TABLE_ROW)
 #undef HMOE_TABLE_ROW

@@ -29,9 +29,9 @@ inline int64_t int_arg(py::handle v, const std::string& name, int64_t lo, int64_
 // A real number that fp32 holds (the kernels take fp32): finite and within +-3.4e38; never a bool.
 inline float float_arg(py::handle v, const std::string& name) {
   PyObject* o = v.ptr();
-  const bool real = PyFloat_Check(o) || PyLong_Check(o) ||
-                    (Py_TYPE(o)->tp_as_number != nullptr && Py_TYPE(o)->tp_as_number->nb_float != nullptr &&
-                     !PyComplex_Check(o));
+  const bool real =
+      PyFloat_Check(o) || PyLong_Check(o) ||
+      (Py_TYPE(o)->tp_as_number != nullptr && Py_TYPE(o)->tp_as_number->nb_float != nullptr && !PyComplex_Check(o));
   if (PyBool_Check(o) || !real) type_error(name + " must be a float, got " + type_name(v));
   const double x = PyFloat_AsDouble(o);
   if (x == -1.0 && PyErr_Occurred()) throw py::error_already_set();

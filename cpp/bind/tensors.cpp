@@ -13,11 +13,11 @@ namespace {
 // process (a py::object here would be released after the interpreter shut down).
 struct Torch {
   const dl::ExchangeApi* api = nullptr;
-  PyObject* tensor_type = nullptr;      // torch.Tensor: isinstance checks
-  PyTypeObject* plain[4] = {};          // the exact types accepted
+  PyObject* tensor_type = nullptr;  // torch.Tensor: isinstance checks
+  PyTypeObject* plain[4] = {};      // the exact types accepted
   int n_plain = 0;
-  PyObject* fallback = nullptr;         // used when api is NULL
-  PyObject* is_neg = nullptr;           // interned "is_neg"
+  PyObject* fallback = nullptr;  // used when api is NULL
+  PyObject* is_neg = nullptr;    // interned "is_neg"
 };
 Torch g;
 
@@ -49,8 +49,10 @@ std::string dtype_of(py::handle obj) {
                               "through torch.ops.hmoe, whose fake implementations handle tracing"
                             : "pass a plain tensor with its own storage (e.g. t.as_subclass(torch.Tensor) where "
                               "that is valid)";
-  type_error(name + " is a " + cls + ", a torch.Tensor subclass: hmoe's kernels read tensor memory directly and "
-             "take only plain strided tensors (torch.Tensor or nn.Parameter); " + hint);
+  type_error(name + " is a " + cls +
+             ", a torch.Tensor subclass: hmoe's kernels read tensor memory directly and "
+             "take only plain strided tensors (torch.Tensor or nn.Parameter); " +
+             hint);
 }
 
 // Why a plain tensor could not be viewed (sparse, meta, nested...): said in torch's words.
@@ -80,13 +82,20 @@ int32_t dtype_code(const dl::DataType& t) {
 
 dl::DataType dl_dtype(int32_t code) {
   switch (code) {
-    case kF32: return {dl::kFloat, 32, 1};
-    case kF16: return {dl::kFloat, 16, 1};
-    case kBF16: return {dl::kBfloat, 16, 1};
-    case kI32: return {dl::kInt, 32, 1};
-    case kI64: return {dl::kInt, 64, 1};
-    case kU8: return {dl::kUInt, 8, 1};
-    default: throw std::invalid_argument("hmoe: no DLPack type for dtype code " + std::to_string(code));
+    case kF32:
+      return {dl::kFloat, 32, 1};
+    case kF16:
+      return {dl::kFloat, 16, 1};
+    case kBF16:
+      return {dl::kBfloat, 16, 1};
+    case kI32:
+      return {dl::kInt, 32, 1};
+    case kI64:
+      return {dl::kInt, 64, 1};
+    case kU8:
+      return {dl::kUInt, 8, 1};
+    default:
+      throw std::invalid_argument("hmoe: no DLPack type for dtype code " + std::to_string(code));
   }
 }
 
@@ -205,13 +214,14 @@ TensorArg tensor(py::handle obj, const char* name, uint32_t mask, int ndim, Wher
   const int negated = PyObject_IsTrue(neg);
   Py_DECREF(neg);
   if (negated)
-    value_error(std::string(name) + " is a lazily negated/conjugated view; its memory does not hold its values "
+    value_error(std::string(name) +
+                " is a lazily negated/conjugated view; its memory does not hold its values "
                 "(call .resolve_neg() / .resolve_conj() first)");
   if (contiguous && !a.contiguous)
     value_error(std::string(name) + " must be contiguous (call .contiguous() on it first)");
   if (a.data == nullptr && a.numel > 0)
-    value_error(std::string(name) + " has no storage (data_ptr() is 0) although it holds " +
-                std::to_string(a.numel) + " elements");
+    value_error(std::string(name) + " has no storage (data_ptr() is 0) although it holds " + std::to_string(a.numel) +
+                " elements");
   return a;
 }
 
@@ -227,8 +237,8 @@ py::object empty(std::initializer_list<int64_t> shape, int32_t dtype, int32_t de
   int n = 0;
   for (int64_t d : shape) dims[n++] = d;
   if (g.api != nullptr) {
-    dl::Tensor proto{nullptr, {device >= 0 ? dl::kCUDA : dl::kCPU, device >= 0 ? device : 0}, n, dl_dtype(dtype), dims,
-                     nullptr, 0};
+    dl::Tensor proto{
+        nullptr, {device >= 0 ? dl::kCUDA : dl::kCPU, device >= 0 ? device : 0}, n, dl_dtype(dtype), dims, nullptr, 0};
     dl::ManagedTensorVersioned* made = nullptr;
     auto set_error = [](void*, const char* kind, const char* message) {
       PyErr_SetString(std::string(kind) == "MemoryError" ? PyExc_MemoryError : PyExc_RuntimeError, message);

@@ -37,7 +37,7 @@ struct TensorArg {
   int32_t ndim = 0;
   int64_t shape[kMaxDims] = {};
   int64_t numel = 0;
-  int32_t device = -1;   // CUDA ordinal; -1 for host memory; -2 for anything else
+  int32_t device = -1;  // CUDA ordinal; -1 for host memory; -2 for anything else
   bool contiguous = true;
 
   bool cuda() const { return device >= 0; }

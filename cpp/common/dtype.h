@@ -34,7 +34,10 @@ inline float f16_to_f32(uint16_t h) {
       u = sign;
     } else {  // subnormal: normalise
       int e = -1;
-      do { man <<= 1; ++e; } while (!(man & 0x400u));
+      do {
+        man <<= 1;
+        ++e;
+      } while (!(man & 0x400u));
       u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
     }
   } else if (exp == 0x1f) {
@@ -55,8 +58,8 @@ inline uint16_t f32_to_f16(float f) {
   uint32_t au = u & 0x7fffffffu;
   if (au > 0x7f800000u) return uint16_t(sign | 0x7e00u);
   if (au >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
-  if (au < 0x38800000u) {                                     // below the smallest normal
-    if (au < 0x33000000u) return uint16_t(sign);              // < half the smallest subnormal
+  if (au < 0x38800000u) {                                  // below the smallest normal
+    if (au < 0x33000000u) return uint16_t(sign);           // < half the smallest subnormal
     uint32_t e = au >> 23;
     uint32_t man = (au & 0x7fffffu) | 0x800000u;
     uint32_t shift = 126 - e;  // 14 .. 24 for this range

@@ -69,7 +69,8 @@ void ThreadPool::ensure_workers(int n) {
     } catch (const std::system_error& e) {
       // The workers started so far stay valid: a later call with fewer threads still works.
       throw std::runtime_error("hmoe: could not start CPU worker thread " + std::to_string(id + 1) + " of " +
-                               std::to_string(n + 1) + " (" + e.what() + "); use fewer threads: "
+                               std::to_string(n + 1) + " (" + e.what() +
+                               "); use fewer threads: "
                                "hmoe.set_num_threads(n) or HMOE_NUM_THREADS (this process runs " +
                                std::to_string(workers_.size() + 1) + ")");
     }
@@ -106,8 +107,7 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
   }
 }
 
-void ThreadPool::parallel_for(int64_t n_tasks, int n_threads,
-                              const std::function<void(int64_t, int)>& fn) {
+void ThreadPool::parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64_t, int)>& fn) {
   if (n_tasks <= 0) return;
   n_threads = int(std::max<int64_t>(1, std::min<int64_t>({n_threads, n_tasks, kMaxThreads})));
   if (n_threads == 1) {

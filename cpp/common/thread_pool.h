@@ -23,8 +23,7 @@ class ThreadPool {
   // Tasks are handed out dynamically. The first exception thrown by a task is rethrown here.
   // A worker thread that cannot be started is a std::runtime_error saying so; the pool stays
   // usable with the workers it has.
-  void parallel_for(int64_t n_tasks, int n_threads,
-                    const std::function<void(int64_t task, int worker)>& fn);
+  void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64_t task, int worker)>& fn);
 
   // This process's pool. After fork() the child's copy of the parent's pool is abandoned
   // (its workers do not exist there and its mutexes and condition variables may be held by
@@ -46,8 +45,8 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   // Written under mu_; atomic so that spinning threads can read them without the lock.
   std::atomic<uint64_t> generation_{0};
-  int active_workers_ = 0;        // workers (excluding caller) taking part in this job
-  std::atomic<int> running_{0};   // workers still inside the current job
+  int active_workers_ = 0;       // workers (excluding caller) taking part in this job
+  std::atomic<int> running_{0};  // workers still inside the current job
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_{0};

@@ -1,15 +1,14 @@
 // CPU variant of grouped_topk (DeepseekV2/V3 group-limited routing), single-threaded, fp32 math.
-#include "topk/grouped_topk.h"
-
-#include "common/dtype.h"
-#include "topk/grouped_topk_rules.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "common/dtype.h"
+#include "topk/grouped_topk.h"
+#include "topk/grouped_topk_rules.h"
 
 namespace hmoe {
 namespace {
@@ -81,8 +80,8 @@ void select_groups(const GroupedTopkParams& p, Scratch& s) {
     s.group_order[g] = g;
     s.group_kept[g] = 0;
   }
-  std::partial_sort(s.group_order.begin(), s.group_order.begin() + p.topk_group,
-                    s.group_order.end(), RankDesc{s.group_score.data()});
+  std::partial_sort(s.group_order.begin(), s.group_order.begin() + p.topk_group, s.group_order.end(),
+                    RankDesc{s.group_score.data()});
   for (int32_t i = 0; i < p.topk_group; ++i) s.group_kept[s.group_order[i]] = 1;
 }
 
@@ -96,8 +95,7 @@ void route_token(const GroupedTopkParams& p, int64_t t, Scratch& s) {
   for (int32_t e = 0; e < E; ++e)
     if (all_kept || s.group_kept[e / S]) s.order[n++] = e;
   // n >= K: checked, top_k <= topk_group * S.
-  std::partial_sort(s.order.begin(), s.order.begin() + K, s.order.begin() + n,
-                    RankDesc{s.sel.data()});
+  std::partial_sort(s.order.begin(), s.order.begin() + K, s.order.begin() + n, RankDesc{s.sel.data()});
   float* w = p.weights + t * K;
   int32_t* ids = p.ids + t * K;
   float sum = 0.f;
@@ -113,8 +111,7 @@ void route_token(const GroupedTopkParams& p, int64_t t, Scratch& s) {
 }  // namespace
 
 void grouped_topk_cpu(const GroupedTopkParams& p) {
-  if (const char* why = grouped_topk_check(p))
-    throw std::invalid_argument(std::string("grouped_topk: ") + why);
+  if (const char* why = grouped_topk_check(p)) throw std::invalid_argument(std::string("grouped_topk: ") + why);
   if (p.num_tokens == 0) return;
   Scratch s;
   if (p.bias != nullptr) {

@@ -24,7 +24,8 @@ py::tuple grouped_topk_entry(py::handle router_logits, py::handle top_k, py::han
     value_error(op + "router_logits has " + std::to_string(E) + " experts (dim 1); supported: 1.." +
                 std::to_string(kGroupedTopkMaxExperts));
   if (T > INT32_MAX)
-    value_error(op + "router_logits has " + std::to_string(T) + " tokens; supported: up to " + std::to_string(INT32_MAX));
+    value_error(op + "router_logits has " + std::to_string(T) + " tokens; supported: up to " +
+                std::to_string(INT32_MAX));
   int32_t code = -1;
   if (PyUnicode_Check(scoring.ptr())) {
     const std::string s = scoring.cast<std::string>();
@@ -46,12 +47,12 @@ py::tuple grouped_topk_entry(py::handle router_logits, py::handle top_k, py::han
                 " must leave >= 2 experts per group (E=" + std::to_string(E) + ")");
   if (K < 1 || K > kept * group_size)
     value_error(op + "top_k=" + std::to_string(K) + " must be in 1.." + std::to_string(kept * group_size) +
-                " (topk_group * experts per group; E=" + std::to_string(E) + ", n_group=" + std::to_string(groups) + ")");
+                " (topk_group * experts per group; E=" + std::to_string(E) + ", n_group=" + std::to_string(groups) +
+                ")");
   GroupedTopkParams p{};
   if (!bias.is_none()) {
     // As in transformers: only DeepseekV3's sigmoid router has a correction bias.
-    if (code != kScoringSigmoid)
-      value_error(op + "bias (e_score_correction_bias) is only used with scoring='sigmoid'");
+    if (code != kScoringSigmoid) value_error(op + "bias (e_score_correction_bias) is only used with scoring='sigmoid'");
     const TensorArg b = tensor(bias, "grouped_topk: bias", kFloats, -1, Where::kCpuOrCuda);
     if (b.ndim != 1 || b.shape[0] != E)
       value_error(op + "bias must have shape (" + std::to_string(E) + ",), got " + b.shape_str());

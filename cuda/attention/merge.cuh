@@ -38,7 +38,7 @@ constexpr int kFewSplits = 8;
 // sums meet in shared memory: with 64 splits a single row kept too few loads in flight, with 2 or
 // 4 splits more rows only cost time (measured on an H200 for D = 512: docs/perf/mla_decode.md).
 template <typename T, int D>
-__global__ void __launch_bounds__(kRowThreads<D> * kBlockRows) merge_kernel(const SplitMerge m) {
+__global__ void __launch_bounds__(kRowThreads<D>* kBlockRows) merge_kernel(const SplitMerge m) {
   static_assert(D % 4 == 0 && D <= 512, "4 columns a thread, at most 128 threads a row");
   __shared__ float w_s[kMergeMaxSplits];
   __shared__ float red[2][2];
@@ -90,8 +90,8 @@ __global__ void __launch_bounds__(kRowThreads<D> * kBlockRows) merge_kernel(cons
 // every thread 4 columns of it and all of its splits' weights: the lse and O loads go out
 // together, one round trip instead of two with barriers between them.
 template <typename T, int D>
-__global__ void __launch_bounds__(kRowThreads<D> * kBlockRows) merge_few_kernel(const SplitMerge m) {
-  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kRowThreads<D>) + threadIdx.x / kRowThreads<D>;
+__global__ void __launch_bounds__(kRowThreads<D>* kBlockRows) merge_few_kernel(const SplitMerge m) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / kRowThreads<D>)+threadIdx.x / kRowThreads<D>;
   const int c = threadIdx.x % kRowThreads<D>;
   wait_for_grid_dependencies();
   if (r >= m.rows) return;
@@ -135,7 +135,8 @@ void merge_splits(const SplitMerge& m, cudaStream_t stream, bool programmatic, c
   cudaLaunchConfig_t cfg = {};
   const bool few = m.num_splits <= kFewSplits;
   // Rows of >= 8 splits each, and enough threads that the first two warps can weigh every split.
-  const int rows = std::clamp(std::max(m.num_splits / 8, (m.num_splits + 31) / 32 * 32 / kRowThreads<D>), 1, kBlockRows);
+  const int rows =
+      std::clamp(std::max(m.num_splits / 8, (m.num_splits + 31) / 32 * 32 / kRowThreads<D>), 1, kBlockRows);
   cfg.gridDim = dim3(unsigned(few ? (m.rows + kBlockRows - 1) / kBlockRows : m.rows));
   cfg.blockDim = dim3(kRowThreads<D> * (few ? kBlockRows : rows));
   cfg.stream = stream;

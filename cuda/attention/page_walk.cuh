@@ -24,14 +24,20 @@ struct PageWalk {
   int page, page_off, page_tok;  // the last entry read (raw; -1 past the sequence), its offset and token
 
   __device__ __forceinline__ PageWalk(const int32_t* table_row, int len_, int page_size_, int num_pages_, int first)
-      : table(table_row), len(len_), page_size(page_size_), num_pages(num_pages_), tok(first),
-        pg(first / page_size_), off(first % page_size_) {}
+      : table(table_row),
+        len(len_),
+        page_size(page_size_),
+        num_pages(num_pages_),
+        tok(first),
+        pg(first / page_size_),
+        off(first % page_size_) {}
 
   // Reads the entry of the current token, then moves to the same lane's token of the next tile.
   __device__ __forceinline__ void read() {
     int lane_zero;  // 0, opaque to the compiler (see uniform_row)
     asm("mov.b32 %0, 0;" : "=r"(lane_zero));
-    page = tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1;  // tok < len <= max_pages * page_size: pg is in the row
+    page =
+        tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1;  // tok < len <= max_pages * page_size: pg is in the row
     page_off = off;
     page_tok = tok;
     tok += kTile;

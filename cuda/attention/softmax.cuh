@@ -30,9 +30,7 @@ __device__ __forceinline__ bool max_moves(float m, float mx) { return mx > m + k
 
 // The new running max after a tile whose largest score is `mx` (reduced over the row): mx when it
 // moves, else m; 0 while every score so far was masked (p = 0 then, whatever m is).
-__device__ __forceinline__ float next_max(float m, float mx) {
-  return mx > m + kLazy ? mx : m == -INFINITY ? 0.f : m;
-}
+__device__ __forceinline__ float next_max(float m, float mx) { return mx > m + kLazy ? mx : m == -INFINITY ? 0.f : m; }
 
 // The factor the row's accumulators and l take when the max goes from m_old to m_new.
 __device__ __forceinline__ float rescale(float m_old, float m_new) {

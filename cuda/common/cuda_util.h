@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
 #include <stdexcept>
 #include <string>
 
@@ -43,16 +42,19 @@ class DeviceGuard {
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   T lo = from_float<T>(a), hi = from_float<T>(b);
   return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
 }
-
 
 // Butterfly reductions over the lanes `width` apart at most (width a power of two <= 32): every
 // lane of a group of `width` ends with the group's result.

@@ -53,7 +53,8 @@ inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ck
     value_error("q_pe has shape " + qp.shape_str() + ", expected " + shape3(B, H, kMlaDimPe));
   const int64_t P = ckv.shape[0], page = ckv.shape[1];
   if (ckv.shape[2] != kMlaDimCkv)
-    value_error("ckv_cache has shape " + ckv.shape_str() + ": the last dimension must be " + std::to_string(kMlaDimCkv));
+    value_error("ckv_cache has shape " + ckv.shape_str() + ": the last dimension must be " +
+                std::to_string(kMlaDimCkv));
   if (page < 1 || P < 1) value_error("ckv_cache has shape " + ckv.shape_str() + ": no pages");
   if (P * page > INT32_MAX)  // the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
     value_error("ckv_cache has " + std::to_string(P * page) + " token rows; mla_decode supports fewer than 2^31");
@@ -69,7 +70,8 @@ inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ck
                 " requests a call (the CUDA grid's limit): split the batch");
   if (max_pages * page > INT32_MAX || B * max_pages > INT32_MAX)
     value_error("page_table [" + std::to_string(B) + ", " + std::to_string(max_pages) + "] with page size " +
-                std::to_string(page) + ": a request's capacity (max_pages * page_size) and the table (batch * "
+                std::to_string(page) +
+                ": a request's capacity (max_pages * page_size) and the table (batch * "
                 "max_pages) must stay below 2^31");
   for (const TensorArg* t : {&qn, &qp, &ckv, &kpe})
     if (reinterpret_cast<uintptr_t>(t->data) % 16)

@@ -6,8 +6,8 @@
 // all of the CTA's heads, so each shared-memory operand it loads feeds MT mma, and owns a quarter
 // of every KV row: latent dims [128 w, 128 w + 128) and rope dims [16 w, 16 w + 16). It copies
 // those columns itself (cp.async, or on sm_90+ with 32 heads a CTA the TMA when a tile lies in
-// one page: see mla_kv_ring.cuh and choose_loader) and reads no others, so a tile's arrival and the reuse of its buffer concern
-// one warp only: two CTA barriers per tile. Per tile:
+// one page: see mla_kv_ring.cuh and choose_loader) and reads no others, so a tile's arrival and the reuse of its buffer
+// concern one warp only: two CTA barriers per tile. Per tile:
 //   S = Q K^T   each warp its 144 dims (its Q fragments stay in registers) x all tokens; the 4
 //               partial sums meet in shared memory
 //   softmax     all warps, 128 / (16 * MT) threads per head, online, log2 domain
@@ -21,9 +21,9 @@
 #include <string>
 #include <type_traits>
 
+#include "attention/softmax.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.h"
-#include "attention/softmax.cuh"
 #include "mla/mla_combine.h"
 #include "mla/mla_decode.h"
 #include "mla/mla_kv_ring.cuh"
@@ -38,7 +38,7 @@ using attn::exp2_ftz;
 using attn::kLn2;
 using attn::kLog2e;
 
-constexpr int kStages = 2;   // ring buffers
+constexpr int kStages = 2;  // ring buffers
 
 // How a CTA fills its ring (MlaLoader in mla_params.h).
 enum Loader { kLoadRows = kMlaLoadRows, kLoadContig = kMlaLoadContig, kLoadTma = kMlaLoadTma };
@@ -48,9 +48,9 @@ enum Loader { kLoadRows = kMlaLoadRows, kLoadContig = kMlaLoadContig, kLoadTma =
 template <int MT>
 struct Smem {
   static constexpr int kHeads = 16 * MT;
-  static constexpr int kSRow = kTile;      // fp32 partial scores, unpadded (see s_off)
-  static constexpr int kPRow = kTile + 8;  // 16-bit probabilities (+16 B for ldmatrix)
-  static constexpr int s = 0;              // the partial score tiles, one per warp
+  static constexpr int kSRow = kTile;                         // fp32 partial scores, unpadded (see s_off)
+  static constexpr int kPRow = kTile + 8;                     // 16-bit probabilities (+16 B for ldmatrix)
+  static constexpr int s = 0;                                 // the partial score tiles, one per warp
   static constexpr int kv = s + kWarps * kHeads * kSRow * 4;  // KV ring
   static constexpr int p = kv + kStages * kTileBytes;
   static constexpr int stats = p + kHeads * kPRow * 2;  // m, l, alpha: kHeads floats each
@@ -74,23 +74,25 @@ __device__ __forceinline__ int s_off(int row, int chunk) {
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 // c += a b on the tensor cores, m16n8k16, fp32 accumulators; T (bf16 or fp16) names the inputs.
 template <typename T>
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b);
-#define HMOE_MMA16816(T, PTX_TYPE)                                                                           \
-  template <>                                                                                                \
-  __device__ __forceinline__ void mma16816<T>(float* c, const uint32_t* a, const uint32_t* b) {              \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                              \
-                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                              \
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                            \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                        \
+#define HMOE_MMA16816(T, PTX_TYPE)                                                              \
+  template <>                                                                                   \
+  __device__ __forceinline__ void mma16816<T>(float* c, const uint32_t* a, const uint32_t* b) { \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                 \
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));           \
   }
 HMOE_MMA16816(__nv_bfloat16, "bf16")
 HMOE_MMA16816(__half, "f16")
@@ -117,7 +119,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   using L = Smem<MT>;
   constexpr int NT = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
-  constexpr int kN8 = kTile / 8;                // n8 tiles of tokens in S
+  constexpr int kN8 = kTile / 8;       // n8 tiles of tokens in S
   constexpr int kDimsW = kWarpLatent;  // latent dims of S and O per warp (128)
   constexpr int kPeW = kWarpRope;      // rope dims of S per warp (16)
   constexpr int kLS = kDimsW / 16;     // latent k16 steps of S per warp (8; then 1 of rope)
@@ -328,7 +330,8 @@ __global__ void __launch_bounds__(32 * kWarps)
       }
 #pragma unroll
       for (int c = 0; c < kCpt; c += 4)
-        *reinterpret_cast<uint2*>(p_s + srow * L::kPRow + 4 * (sq + (c / 4) * kTpr)) = make_uint2(pk[c / 2], pk[c / 2 + 1]);
+        *reinterpret_cast<uint2*>(p_s + srow * L::kPRow + 4 * (sq + (c / 4) * kTpr)) =
+            make_uint2(pk[c / 2], pk[c / 2 + 1]);
       const float alpha = attn::rescale(m_old, m_run);
       l_run = l_run * alpha + sum;
       if (sq == 0) a_s[srow] = alpha;
@@ -354,7 +357,8 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int k0 = 0; k0 < kTile; k0 += 16) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) ldmatrix_x4(a[m], smem_addr(p_s + (m * 16 + (lane & 15)) * L::kPRow + k0 + (lane >> 4) * 8));
+      for (int m = 0; m < MT; ++m)
+        ldmatrix_x4(a[m], smem_addr(p_s + (m * 16 + (lane & 15)) * L::kPRow + k0 + (lane >> 4) * 8));
 #pragma unroll
       for (int j = 0; j < kON8; j += 2) {
         uint32_t bv[4];
@@ -430,13 +434,21 @@ void with_config(int c, int loader, F&& f) {
     constexpr int MT = decltype(mt)::value;
     constexpr int kBytes = Smem<MT>::bytes, kThreads = 32 * kWarps;
     switch (loader) {
-      case kLoadRows: f(mla_decode_kernel<T, MT, kLoadRows>, kBytes, kThreads); break;
-      case kLoadContig: f(mla_decode_kernel<T, MT, kLoadContig>, kBytes, kThreads); break;
-      default: f(mla_decode_kernel<T, MT, kLoadTma>, kBytes, kThreads); break;
+      case kLoadRows:
+        f(mla_decode_kernel<T, MT, kLoadRows>, kBytes, kThreads);
+        break;
+      case kLoadContig:
+        f(mla_decode_kernel<T, MT, kLoadContig>, kBytes, kThreads);
+        break;
+      default:
+        f(mla_decode_kernel<T, MT, kLoadTma>, kBytes, kThreads);
+        break;
     }
   };
-  if (kConfigs[c][0] == 2) pick(std::integral_constant<int, 2>{});
-  else pick(std::integral_constant<int, 1>{});
+  if (kConfigs[c][0] == 2)
+    pick(std::integral_constant<int, 2>{});
+  else
+    pick(std::integral_constant<int, 1>{});
 }
 
 // cuTensorMapEncodeTiled, from the driver through the runtime (hmoe links no libcuda): resolved
@@ -451,7 +463,8 @@ EncodeTiled encode_tiled() {
     check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
           "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
     if (found != cudaDriverEntryPointSuccess || f == nullptr)
-      throw std::runtime_error("mla_decode: the driver has no cuTensorMapEncodeTiled (set HMOE_MLA_TMA=0 to use cp.async)");
+      throw std::runtime_error(
+          "mla_decode: the driver has no cuTensorMapEncodeTiled (set HMOE_MLA_TMA=0 to use cp.async)");
     return reinterpret_cast<EncodeTiled>(f);
   }();
   return fn;
@@ -536,7 +549,8 @@ void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");
   const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   auto set = [&](auto kernel, int bytes, int) {
-    if (bytes <= limit) check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
+    if (bytes <= limit)
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
   };
   for (int c = 0; c < kNumConfigs; ++c) {
     for (const int loader : {kLoadRows, kLoadContig, kLoadTma}) {
@@ -572,8 +586,10 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
     maps.kpe = tensor_map(p.kpe, rows, kMlaDimPe, kWarpRope, CU_TENSOR_MAP_SWIZZLE_32B);
   }
   auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p, maps); };
-  if (p.dtype == kBF16) with_config<__nv_bfloat16>(plan.config, plan.loader, launch);
-  else with_config<__half>(plan.config, plan.loader, launch);
+  if (p.dtype == kBF16)
+    with_config<__nv_bfloat16>(plan.config, plan.loader, launch);
+  else
+    with_config<__half>(plan.config, plan.loader, launch);
   check(cudaGetLastError(), "kernel launch");
   // Programmatic dependent launch exists on sm_90+ only.
   if (p.num_splits > 1) mla_combine(p, stream, device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9);

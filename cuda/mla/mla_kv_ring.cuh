@@ -19,7 +19,7 @@ namespace hmoe {
 namespace mla {
 
 constexpr int kWarps = 4;
-constexpr int kTile = 32;  // KV tokens per step (and per ring buffer)
+constexpr int kTile = 32;                         // KV tokens per step (and per ring buffer)
 constexpr int kWarpLatent = kMlaDimCkv / kWarps;  // latent dims a warp owns (128)
 constexpr int kWarpRope = kMlaDimPe / kWarps;     // rope dims a warp owns (16)
 constexpr int kBlockCols = 64;                    // latent columns of a ring block (128 bytes)
@@ -60,7 +60,9 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool z
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // The page walk of every attention kernel (attention/page_walk.cuh) over tiles of kTile tokens.
 using TokenWalk = attn::PageWalk<kTile>;

@@ -29,10 +29,12 @@ static_assert(3 * sizeof(float) * kGroupedTopkMaxExperts <= kSmemBudget, "scratc
 
 template <int32_t kDtype>
 __device__ __forceinline__ float load_logit(const void* base, int64_t i) {
-  if constexpr (kDtype == kF16) return __half2float(static_cast<const __half*>(base)[i]);
+  if constexpr (kDtype == kF16)
+    return __half2float(static_cast<const __half*>(base)[i]);
   else if constexpr (kDtype == kBF16)
     return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  else return static_cast<const float*>(base)[i];
+  else
+    return static_cast<const float*>(base)[i];
 }
 
 __device__ __forceinline__ float load_any(const void* base, int32_t dtype, int64_t i) {
@@ -68,8 +70,7 @@ __device__ __forceinline__ void warp_top2(float& a, float& b) {
 
 // score[] and sel[] of one token; lane l owns experts l, l + 32, ...
 template <int32_t kDtype>
-__device__ void score_token(const GroupedTopkParams& p, int64_t t, int lane, float* score,
-                            float* sel) {
+__device__ void score_token(const GroupedTopkParams& p, int64_t t, int lane, float* score, float* sel) {
   const int E = p.num_experts;
   const int64_t row = t * E;
   if (p.scoring == kScoringSoftmax) {
@@ -110,8 +111,7 @@ __device__ void score_token(const GroupedTopkParams& p, int64_t t, int lane, flo
 }
 
 // Group scores into group[], then marks the topk_group best groups (group[g] = NaN).
-__device__ void select_groups(const GroupedTopkParams& p, int lane, const float* sel,
-                              float* group) {
+__device__ void select_groups(const GroupedTopkParams& p, int lane, const float* sel, float* group) {
   const int G = p.n_group, S = p.num_experts / p.n_group;
   const bool softmax = p.scoring == kScoringSoftmax;
   // Warp instructions of the two ways to score the groups: a lane per group walks S
@@ -123,8 +123,10 @@ __device__ void select_groups(const GroupedTopkParams& p, int lane, const float*
       const float* v = sel + g * S;
       float a = -INFINITY, b = -INFINITY;
       for (int i = lane; i < S; i += kWarp) topk::group_push(v[i], a, b, softmax);
-      if (softmax) a = warp_max(a);
-      else warp_top2(a, b);
+      if (softmax)
+        a = warp_max(a);
+      else
+        warp_top2(a, b);
       const float gs = topk::group_score(a, b, softmax);
       if (lane == 0) group[g] = gs;
     }
@@ -156,8 +158,7 @@ __device__ void select_groups(const GroupedTopkParams& p, int lane, const float*
 
 // The best expert still available among this lane's (l, l + 32, ...); taken or excluded
 // experts hold NaN in sel.
-__device__ __forceinline__ void lane_best(const float* sel, int E, int lane, float& bv,
-                                          int& bi) {
+__device__ __forceinline__ void lane_best(const float* sel, int E, int lane, float& bv, int& bi) {
   bv = -INFINITY;
   bi = INT_MAX;
   for (int e = lane; e < E; e += kWarp) {
@@ -179,8 +180,7 @@ __global__ void grouped_topk_kernel(GroupedTopkParams p) {
   float* sel = score + E;
   float* group = sel + E;
 
-  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens;
-       t += int64_t(gridDim.x) * warps) {
+  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
     score_token<kDtype>(p, t, lane, score, sel);
     __syncwarp();
     if (p.topk_group < G) {  // else every group is kept
@@ -213,7 +213,8 @@ __global__ void grouped_topk_kernel(GroupedTopkParams p) {
       }
     }
     const float denom = sum + 1e-20f;
-    for (int k = lane; k < K; k += kWarp) w[k] = topk::final_weight(w[k], denom, p.renormalize, p.routed_scaling_factor);
+    for (int k = lane; k < K; k += kWarp)
+      w[k] = topk::final_weight(w[k], denom, p.renormalize, p.routed_scaling_factor);
     __syncwarp();  // every lane is done with this token's scratch before it is overwritten
   }
 }
@@ -222,17 +223,19 @@ using KernelFn = void (*)(GroupedTopkParams);
 
 KernelFn kernel_for(int32_t dtype) {
   switch (dtype) {
-    case kF16: return grouped_topk_kernel<kF16>;
-    case kBF16: return grouped_topk_kernel<kBF16>;
-    default: return grouped_topk_kernel<kF32>;
+    case kF16:
+      return grouped_topk_kernel<kF16>;
+    case kBF16:
+      return grouped_topk_kernel<kBF16>;
+    default:
+      return grouped_topk_kernel<kF32>;
   }
 }
 
 }  // namespace
 
 void grouped_topk_cuda(const GroupedTopkParams& p, int device, uintptr_t stream) {
-  if (const char* why = grouped_topk_check(p))
-    throw std::invalid_argument(std::string("grouped_topk: ") + why);
+  if (const char* why = grouped_topk_check(p)) throw std::invalid_argument(std::string("grouped_topk: ") + why);
   if (p.num_tokens == 0) return;  // a zero-sized grid is a launch error
   const DeviceGuard guard(device, "grouped_topk (CUDA)");
   const size_t per_warp = sizeof(float) * (2 * size_t(p.num_experts) + size_t(p.n_group));
@@ -241,8 +244,7 @@ void grouped_topk_cuda(const GroupedTopkParams& p, int device, uintptr_t stream)
   // warps >= 1: per_warp <= 3 * 4 * kGroupedTopkMaxExperts == kSmemBudget (checked above).
   const int64_t want = (p.num_tokens + warps - 1) / warps;
   const unsigned blocks = unsigned(want < kMaxBlocks ? want : kMaxBlocks);
-  kernel_for(p.logits_dtype)<<<blocks, warps * kWarp, per_warp * warps,
-                               reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  kernel_for(p.logits_dtype)<<<blocks, warps * kWarp, per_warp * warps, reinterpret_cast<cudaStream_t>(stream)>>>(p);
   check_cuda(cudaGetLastError(), "grouped_topk (CUDA)", "kernel launch");
 }
 

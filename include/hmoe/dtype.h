@@ -19,13 +19,20 @@ constexpr int32_t kNumDTypes = 6;  // the codes are 0 .. kNumDTypes - 1
 
 inline const char* dtype_name(int32_t code) {
   switch (code) {
-    case kF32: return "float32";
-    case kF16: return "float16";
-    case kBF16: return "bfloat16";
-    case kI32: return "int32";
-    case kI64: return "int64";
-    case kU8: return "uint8";
-    default: return "unknown";
+    case kF32:
+      return "float32";
+    case kF16:
+      return "float16";
+    case kBF16:
+      return "bfloat16";
+    case kI32:
+      return "int32";
+    case kI64:
+      return "int64";
+    case kU8:
+      return "uint8";
+    default:
+      return "unknown";
   }
 }
 

@@ -30,19 +30,19 @@ constexpr int32_t kGroupedTopkMaxExperts = k::grouped_topk_max_experts;
 // logit gets all-zero softmax scores. Any other NaN sel or group score ranks as -inf. Ids are
 // always K distinct experts of kept groups.
 struct GroupedTopkParams {
-  const void* logits;     // [num_tokens, num_experts], row-major contiguous, logits_dtype
-  int32_t logits_dtype;   // kF32, kF16 or kBF16
-  const void* bias;       // [num_experts] or nullptr; bias_dtype
-  int32_t bias_dtype;     // kF32, kF16 or kBF16 (ignored when bias is nullptr)
-  float* weights;         // [num_tokens, top_k] out
-  int32_t* ids;           // [num_tokens, top_k] out
+  const void* logits;    // [num_tokens, num_experts], row-major contiguous, logits_dtype
+  int32_t logits_dtype;  // kF32, kF16 or kBF16
+  const void* bias;      // [num_experts] or nullptr; bias_dtype
+  int32_t bias_dtype;    // kF32, kF16 or kBF16 (ignored when bias is nullptr)
+  float* weights;        // [num_tokens, top_k] out
+  int32_t* ids;          // [num_tokens, top_k] out
   int64_t num_tokens;
   int32_t num_experts;
   int32_t top_k;
   int32_t n_group;
   int32_t topk_group;
-  int32_t scoring;        // TopkScoring
-  int32_t renormalize;    // 0 or 1
+  int32_t scoring;      // TopkScoring
+  int32_t renormalize;  // 0 or 1
   float routed_scaling_factor;
 };
 
@@ -50,15 +50,13 @@ struct GroupedTopkParams {
 // native side's own guard so that no variant reads or writes out of bounds.
 inline const char* grouped_topk_check(const GroupedTopkParams& p) {
   if (!is_float_dtype(p.logits_dtype)) return "logits_dtype is not float32/float16/bfloat16";
-  if (p.bias != nullptr && !is_float_dtype(p.bias_dtype))
-    return "bias_dtype is not float32/float16/bfloat16";
+  if (p.bias != nullptr && !is_float_dtype(p.bias_dtype)) return "bias_dtype is not float32/float16/bfloat16";
   if (p.scoring != kScoringSoftmax && p.scoring != kScoringSigmoid) return "unknown scoring code";
   if (p.bias != nullptr && p.scoring != kScoringSigmoid) return "bias requires sigmoid scoring";
   if (p.num_tokens < 0) return "num_tokens < 0";
   if (p.num_tokens > 0 && (p.logits == nullptr || p.weights == nullptr || p.ids == nullptr))
     return "null logits/weights/ids pointer";
-  if (p.num_experts < 1 || p.num_experts > kGroupedTopkMaxExperts)
-    return "num_experts out of range [1, 4096]";
+  if (p.num_experts < 1 || p.num_experts > kGroupedTopkMaxExperts) return "num_experts out of range [1, 4096]";
   if (p.n_group < 1 || p.num_experts % p.n_group != 0) return "n_group does not divide num_experts";
   if (p.topk_group < 1 || p.topk_group > p.n_group) return "topk_group out of range [1, n_group]";
   const int32_t group_size = p.num_experts / p.n_group;

@@ -6,10 +6,10 @@
 
 namespace hmoe {
 
-constexpr int kMlaDimCkv = k::mla_dim_ckv;      // latent (the value and the "nope" part of the key)
-constexpr int kMlaDimPe = k::mla_dim_pe;        // rope part of the key
+constexpr int kMlaDimCkv = k::mla_dim_ckv;  // latent (the value and the "nope" part of the key)
+constexpr int kMlaDimPe = k::mla_dim_pe;    // rope part of the key
 constexpr int kMlaMaxHeads = k::mla_max_heads;
-constexpr int kMlaMaxBatch = k::mla_max_batch;  // the CUDA grid's z dimension
+constexpr int kMlaMaxBatch = k::mla_max_batch;    // the CUDA grid's z dimension
 constexpr int kMlaMaxSplits = k::mla_max_splits;  // KV splits at most (the combine kernel weighs them with two warps)
 
 // How the KV cache reaches shared memory: cp.async per lane-held row (any page size), cp.async
@@ -43,7 +43,7 @@ struct MlaDecodeParams {
   float* partial_o;           // [num_splits, B, H, 512] fp32 when num_splits > 1
   float* partial_lse;         // [num_splits, B, H] (log2 domain) when num_splits > 1
   int32_t batch, heads, page_size, max_pages, num_pages, num_splits;
-  int32_t dtype;              // kBF16 or kF16 (common/dtype.h)
+  int32_t dtype;  // kBF16 or kF16 (common/dtype.h)
   float sm_scale;
 };
 

@@ -14,43 +14,40 @@
 
 #define HMOE_ARGS_NONE
 #define HMOE_ARGS_cpuid (u32, leaf), (u32, subleaf)
-#define HMOE_ARGS_check_tensor                                                                     \
-  (tensor, t), (str, name), (i64, dtypes), (i32, ndim), (i32, where), (bool, contiguous)
-#define HMOE_ARGS_grouped_topk                                                                     \
-  (tensor, router_logits), (int, top_k), (int, n_group), (int, topk_group), (str, scoring),        \
-      (tensor_or_none, bias), (bool, renormalize), (float, routed_scaling_factor)
-#define HMOE_ARGS_moe_experts                                                                      \
-  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2),             \
-      (tensor_or_none, out), (i32, num_threads)
-#define HMOE_ARGS_moe_experts_packed                                                               \
-  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_dtype), \
-      (i64, E), (i64, H), (i64, I), (tensor_or_none, out), (i32, num_threads)
+#define HMOE_ARGS_check_tensor (tensor, t), (str, name), (i64, dtypes), (i32, ndim), (i32, where), (bool, contiguous)
+#define HMOE_ARGS_grouped_topk                                                                                      \
+  (tensor, router_logits), (int, top_k), (int, n_group), (int, topk_group), (str, scoring), (tensor_or_none, bias), \
+      (bool, renormalize), (float, routed_scaling_factor)
+#define HMOE_ARGS_moe_experts                                                                                  \
+  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (tensor_or_none, out), \
+      (i32, num_threads)
+#define HMOE_ARGS_moe_experts_packed                                                                              \
+  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_dtype), (i64, E), \
+      (i64, H), (i64, I), (tensor_or_none, out), (i32, num_threads)
 #define HMOE_ARGS_pack_weights (tensor, w13), (tensor, w2), (i32, num_threads)
 #define HMOE_ARGS_packed_bytes (i32, w_dtype), (i64, H), (i64, I)
 #define HMOE_ARGS_prewarm (i32, device)
-#define HMOE_ARGS_mla_decode_check                                                                 \
+#define HMOE_ARGS_mla_decode_check                                                                  \
   (tensor, q_nope), (tensor, q_pe), (tensor, ckv_cache), (tensor, kpe_cache), (tensor, page_table), \
       (tensor, seq_lens), (float, sm_scale), (tensor_or_none, out)
-#define HMOE_ARGS_mla_decode                                                                       \
-  HMOE_ARGS_mla_decode_check, (bool, return_lse), (i32, config), (bool, allow_tma)
-#define HMOE_ARGS_mla_decode_plan                                                                  \
-  (i32, device), (i32, batch), (i32, heads), (i32, max_pages), (i32, page_size), (i32, config),    \
-      (bool, allow_tma)
+#define HMOE_ARGS_mla_decode HMOE_ARGS_mla_decode_check, (bool, return_lse), (i32, config), (bool, allow_tma)
+#define HMOE_ARGS_mla_decode_plan \
+  (i32, device), (i32, batch), (i32, heads), (i32, max_pages), (i32, page_size), (i32, config), (bool, allow_tma)
 
-#define HMOE_ENTRY_POINTS(X)                                                                        \
-  X(cpu_core, cpu_features, cpuid, "(eax, ebx, ecx, edx)", HMOE_ARGS_cpuid)                         \
-  X(cpu_core, cpu_features, xcr0, "u64", HMOE_ARGS_NONE)                                            \
-  X(cpu_core, cpu_features, request_amx_permission, "str", HMOE_ARGS_NONE)                          \
-  X(cpu_core, cpu_features, hwcap, "(u64, u64)", HMOE_ARGS_NONE)                                    \
-  X(cpu_core, validation, check_tensor, "None", HMOE_ARGS_check_tensor)                             \
-  X(cpu_core, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                 \
-  X(experts, experts, moe_experts, "out", HMOE_ARGS_moe_experts)                                    \
-  X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                      \
-  X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)              \
-  X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes) \
-  X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                 \
-  X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                     \
-  X(cuda, mla_decode, mla_decode_check, "None", HMOE_ARGS_mla_decode_check)                         \
-  X(cuda, mla_decode, mla_decode, "out | (out, lse)", HMOE_ARGS_mla_decode)                         \
+#define HMOE_ENTRY_POINTS(X)                                                                                   \
+  X(cpu_core, cpu_features, cpuid, "(eax, ebx, ecx, edx)", HMOE_ARGS_cpuid)                                    \
+  X(cpu_core, cpu_features, xcr0, "u64", HMOE_ARGS_NONE)                                                       \
+  X(cpu_core, cpu_features, request_amx_permission, "str", HMOE_ARGS_NONE)                                     \
+  X(cpu_core, cpu_features, hwcap, "(u64, u64)", HMOE_ARGS_NONE)                                               \
+  X(cpu_core, validation, check_tensor, "None", HMOE_ARGS_check_tensor)                                        \
+  X(cpu_core, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                            \
+  X(experts, experts, moe_experts, "out", HMOE_ARGS_moe_experts)                                               \
+  X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                                 \
+  X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                         \
+  X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)     \
+  X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                            \
+  X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                                \
+  X(cuda, mla_decode, mla_decode_check, "None", HMOE_ARGS_mla_decode_check)                                    \
+  X(cuda, mla_decode, mla_decode, "out | (out, lse)", HMOE_ARGS_mla_decode)                                    \
   X(cuda, mla_decode, mla_decode_plan, "(num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes)", \
     HMOE_ARGS_mla_decode_plan)
