@@ -13,7 +13,7 @@ namespace hmoe {
 // is handled by the callers (silu keeps a NaN gate NaN).
 inline float exp_f32(float x) {
   x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);  // 2^n stays a normal float
-  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float magic = 12582912.f;                     // 1.5 * 2^23: adding it rounds to an integer
   float n = (x * 1.44269504f + magic) - magic;
   float r = x - n * 0.693145752f;
   r = r - n * 1.42860677e-06f;

@@ -7,6 +7,7 @@
 #include "bind/module.h"
 #include "common/thread_pool.h"
 #include "experts/experts_entry.h"
+#include "experts/format.h"
 #include "experts/gemm.h"
 #include "experts/moe_experts.h"
 #include "experts/pack.h"
@@ -23,11 +24,6 @@ void check_ready() {
     const char* why = T::ensure_permission();
     if (*why) throw std::runtime_error(std::string("AMX unusable: ") + why);
   }
-}
-
-void check_weight_dtype(int32_t w_dtype) {
-  if (!hmoe::is_float_dtype(w_dtype))
-    throw std::invalid_argument("w13/w2: unsupported dtype code " + std::to_string(w_dtype));
 }
 
 // Runs p (weights and tokens set) into `out` or a new [T, H] tensor of x's dtype.
@@ -59,7 +55,6 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   });
 
   HMOE_DEF(m, moe_experts_packed, {
-    check_weight_dtype(w_dtype);
     if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("moe_experts_packed: bad sizes");
     const hb::TensorArg a = hb::tensor(w13, "w13 (packed)", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
     const hb::TensorArg b = hb::tensor(w2, "w2 (packed)", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
@@ -71,10 +66,8 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     return run(p, out, a, b, num_threads);
   });
 
-  HMOE_DEF(m, packed_bytes, {
-    check_weight_dtype(w_dtype);
-    return py::make_tuple(hmoe::packed_w13_bytes(w_dtype, H, I), hmoe::packed_w2_bytes(w_dtype, H, I));
-  });
+  HMOE_DEF(m, packed_bytes,
+           { return py::make_tuple(hmoe::packed_w13_bytes(w_dtype, H, I), hmoe::packed_w2_bytes(w_dtype, H, I)); });
 
   HMOE_DEF(m, pack_weights, {
     const hb::ExpertWeights w = hb::expert_weights(w13, w2);

@@ -22,13 +22,15 @@ inline std::string dim_error(const TensorArg& t, int axis, int64_t expected, con
 }
 
 inline ExpertWeights expert_weights(py::handle w13_obj, py::handle w2_obj) {
-  ExpertWeights w{tensor(w13_obj, "w13", kFloats, 3, Where::kCpu), tensor(w2_obj, "w2", kFloats, 3, Where::kCpu), 0, 0, 0};
+  ExpertWeights w{tensor(w13_obj, "w13", kFloats, 3, Where::kCpu), tensor(w2_obj, "w2", kFloats, 3, Where::kCpu), 0, 0,
+                  0};
   if (w.w2.dtype != w.w13.dtype)
     type_error(std::string("w13 and w2 must share a dtype, got ") + dtype_name(w.w13.dtype) + " and " +
                dtype_name(w.w2.dtype));
   const int64_t E = w.w13.shape[0], two_i = w.w13.shape[1], H = w.w13.shape[2];
   if (E < 1 || H < 1 || two_i < 2 || two_i % 2)
-    value_error("w13 has shape " + w.w13.shape_str() + ": expected [E, 2I, H] with E >= 1, an even, non-zero 2I and H >= 1");
+    value_error("w13 has shape " + w.w13.shape_str() +
+                ": expected [E, 2I, H] with E >= 1, an even, non-zero 2I and H >= 1");
   const int64_t I = two_i / 2;
   if (w.w2.shape[0] != E) value_error(dim_error(w.w2, 0, E, "E (w13.shape[0])"));
   if (w.w2.shape[1] != H) value_error(dim_error(w.w2, 1, H, "H (w13.shape[2])"));
@@ -69,13 +71,20 @@ inline py::object expert_output(py::handle out, const TensorArg& w13, const Tens
     value_error("out has shape " + o.shape_str() + ", expected (" + std::to_string(p.T) + ", " + std::to_string(p.H) +
                 ") like x");
   const char* o0 = static_cast<const char*>(o.data);
-  const struct { const char* name; const void* data; int64_t bytes; } inputs[] = {
-      {"x", p.x, p.T * p.H * dtype_size(p.x_dtype)}, {"topk_ids", p.topk_ids, p.T * p.K * dtype_size(p.ids_dtype)},
-      {"topk_weights", p.topk_weights, p.T * p.K * 4}, {w13.name, w13.data, w13.bytes()}, {w2.name, w2.data, w2.bytes()}};
+  const struct {
+    const char* name;
+    const void* data;
+    int64_t bytes;
+  } inputs[] = {{"x", p.x, p.T * p.H * dtype_size(p.x_dtype)},
+                {"topk_ids", p.topk_ids, p.T * p.K * dtype_size(p.ids_dtype)},
+                {"topk_weights", p.topk_weights, p.T * p.K * 4},
+                {w13.name, w13.data, w13.bytes()},
+                {w2.name, w2.data, w2.bytes()}};
   for (const auto& in : inputs) {
     const char* t0 = static_cast<const char*>(in.data);
     if (o.bytes() > 0 && in.bytes > 0 && t0 < o0 + o.bytes() && o0 < t0 + in.bytes)
-      value_error(std::string("out overlaps ") + in.name + " in memory; the kernel would overwrite its own input: "
+      value_error(std::string("out overlaps ") + in.name +
+                  " in memory; the kernel would overwrite its own input: "
                   "pass a separate output tensor");
   }
   p.out = o.data;

@@ -1,12 +1,13 @@
 // Register-tile microkernels of the expert GEMMs, written once over the ops of the ISA header
-// this module is compiled with (isa::V = 16 fp32 lanes). All accumulate in fp32.
+// this module is compiled with (isa::V = 16 fp32 lanes), and Micro: the ones each weight format
+// (format.h) uses. All accumulate in fp32.
 #pragma once
 #include <cstdint>
 #include <type_traits>
 
 #include "common/dtype.h"
-
-#include HMOE_ISA_HEADER
+#include "experts/format.h"
+#include "experts/isa/contract.h"
 
 namespace hmoe {
 namespace HMOE_ISA {
@@ -22,11 +23,11 @@ constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
 // streams that cross a page every 4 KB, where hardware prefetchers restart.
 constexpr int64_t kPrefetchBytes = 1024;
 
-// C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (moe_params.h layout).
+// C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (format.h layout).
 // Activations A are bf16 (u16, row stride lda) for bf16 weights, else fp32.
 template <int MR, int NR>
-inline void mk_packed_bf16(const uint16_t* A, int64_t lda, const uint16_t* const* B, int64_t kpad,
-                           float* C, int64_t ldc) {
+inline void mk_packed_bf16(const uint16_t* A, int64_t lda, const uint16_t* const* B, int64_t kpad, float* C,
+                           int64_t ldc) {
   constexpr int U = kSplitK<MR, NR>;
   V acc[U][MR][NR];
   for (int u = 0; u < U; ++u)
@@ -56,9 +57,13 @@ inline void mk_packed_bf16(const uint16_t* A, int64_t lda, const uint16_t* const
 template <typename W>
 inline V load_w16(const W* p);
 template <>
-inline V load_w16<float>(const float* p) { return isa::vload(p); }
+inline V load_w16<float>(const float* p) {
+  return isa::vload(p);
+}
 template <>
-inline V load_w16<uint16_t>(const uint16_t* p) { return isa::vload_f16(p); }  // fp16 weights
+inline V load_w16<uint16_t>(const uint16_t* p) {
+  return isa::vload_f16(p);
+}  // fp16 weights
 
 template <int MR, int NR, typename W>
 inline void mk_packed_f(const float* A, int64_t lda, const W* const* B, int64_t kd, float* C, int64_t ldc) {
@@ -94,15 +99,21 @@ inline void mk_packed_f(const float* A, int64_t lda, const W* const* B, int64_t 
 // A (fp32) and 4 weight rows at once (4 independent FMA chains per A row).
 template <int WD>
 inline V load_row16(const void* p, int64_t k) {
-  if constexpr (WD == kF32) return isa::vload(static_cast<const float*>(p) + k);
-  else if constexpr (WD == kBF16) return isa::vload_bf16(static_cast<const uint16_t*>(p) + k);
-  else return isa::vload_f16(static_cast<const uint16_t*>(p) + k);
+  if constexpr (WD == kF32)
+    return isa::vload(static_cast<const float*>(p) + k);
+  else if constexpr (WD == kBF16)
+    return isa::vload_bf16(static_cast<const uint16_t*>(p) + k);
+  else
+    return isa::vload_f16(static_cast<const uint16_t*>(p) + k);
 }
 template <int WD>
 inline float load_row1(const void* p, int64_t k) {
-  if constexpr (WD == kF32) return static_cast<const float*>(p)[k];
-  else if constexpr (WD == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(p)[k]);
-  else return f16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  if constexpr (WD == kF32)
+    return static_cast<const float*>(p)[k];
+  else if constexpr (WD == kBF16)
+    return bf16_to_f32(static_cast<const uint16_t*>(p)[k]);
+  else
+    return f16_to_f32(static_cast<const uint16_t*>(p)[k]);
 }
 
 constexpr int kRowsNW = 4;
@@ -153,6 +164,50 @@ template <typename F>
 inline void with_mr(int m, F&& f) {
   with_count<isa::kMR>(m, static_cast<F&&>(f));
 }
+
+// The microkernels of a weight format on this ISA:
+//   Act                 the element type of the activation rows the packed kernels read
+//   packed<MR, NR>(A, lda, B, kd, C, ldc)   C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR)
+//   rows<MR>(A, lda, rows, kd, C, ldc)      C[i][r] = dot(A[i, :kd], row r) for kRowsNW
+//                                           row-major weight rows, A in fp32 (unpacked decode)
+template <class Fmt>
+struct Micro;
+
+// The row-dot kernel reads any float format straight from its rows.
+template <class Fmt>
+struct FloatRows {
+  template <int MR>
+  static void rows(const float* A, int64_t lda, const void* const* rows, int64_t kd, float* C, int64_t ldc) {
+    mk_rows<MR, Fmt::kCode>(A, lda, rows, kd, C, ldc);
+  }
+};
+
+template <>
+struct Micro<Format<kBF16>> : FloatRows<Format<kBF16>> {
+  using Act = uint16_t;  // bf16: vdpbf16ps pairs
+  template <int MR, int NR>
+  static void packed(const Act* A, int64_t lda, const void* const* B, int64_t kd, float* C, int64_t ldc) {
+    mk_packed_bf16<MR, NR>(A, lda, reinterpret_cast<const uint16_t* const*>(B), Format<kBF16>::packed_k(kd), C, ldc);
+  }
+};
+
+template <>
+struct Micro<Format<kF16>> : FloatRows<Format<kF16>> {
+  using Act = float;
+  template <int MR, int NR>
+  static void packed(const Act* A, int64_t lda, const void* const* B, int64_t kd, float* C, int64_t ldc) {
+    mk_packed_f<MR, NR>(A, lda, reinterpret_cast<const uint16_t* const*>(B), kd, C, ldc);
+  }
+};
+
+template <>
+struct Micro<Format<kF32>> : FloatRows<Format<kF32>> {
+  using Act = float;
+  template <int MR, int NR>
+  static void packed(const Act* A, int64_t lda, const void* const* B, int64_t kd, float* C, int64_t ldc) {
+    mk_packed_f<MR, NR>(A, lda, reinterpret_cast<const float* const*>(B), kd, C, ldc);
+  }
+};
 
 }  // namespace HMOE_ISA
 }  // namespace hmoe

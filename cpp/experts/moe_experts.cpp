@@ -1,5 +1,6 @@
 // The CPU MoE experts op for one ISA (this file is compiled once per level in arch/cpu.json):
-// route (tokens grouped by expert), gather, GEMM1 + silu*up, GEMM2, weighted combine.
+// route (tokens grouped by expert), gather, GEMM1 + silu*up, GEMM2, weighted combine; written
+// once over the weight format (format.h) and its microkernels (Micro in gemm.h).
 #include "experts/moe_experts.h"
 
 #include <algorithm>
@@ -7,10 +8,12 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/thread_pool.h"
 #include "experts/act.h"
+#include "experts/format.h"
 #include "experts/gemm.h"
 #include "experts/pack.h"
 
@@ -23,13 +26,15 @@ namespace {
 constexpr int64_t kRowsMaxM = 4;
 
 template <typename T>
-std::unique_ptr<T[]> uninit(int64_t n) { return std::unique_ptr<T[]>(new T[size_t(std::max<int64_t>(n, 1))]); }
+std::unique_ptr<T[]> uninit(int64_t n) {
+  return std::unique_ptr<T[]>(new T[size_t(std::max<int64_t>(n, 1))]);
+}
 
 struct Routing {
-  std::vector<int64_t> offset;   // [E + 1]: rows of expert e are [offset[e], offset[e+1])
-  std::vector<int64_t> pos;      // [T * K]: row of slot (t, k)
-  std::vector<int64_t> token;    // [S]: token of row r
-  std::vector<int32_t> active;   // experts with rows
+  std::vector<int64_t> offset;  // [E + 1]: rows of expert e are [offset[e], offset[e+1])
+  std::vector<int64_t> pos;     // [T * K]: row of slot (t, k)
+  std::vector<int64_t> token;   // [S]: token of row r
+  std::vector<int32_t> active;  // experts with rows
   int64_t max_rows = 0;
 };
 
@@ -38,8 +43,8 @@ Routing route(const MoeParams& p) {
   const int64_t S = p.T * p.K;
   std::vector<int64_t> ids(static_cast<size_t>(S));
   for (int64_t s = 0; s < S; ++s) {
-    int64_t e = p.ids_dtype == kI64 ? static_cast<const int64_t*>(p.topk_ids)[s]
-                                    : static_cast<const int32_t*>(p.topk_ids)[s];
+    int64_t e =
+        p.ids_dtype == kI64 ? static_cast<const int64_t*>(p.topk_ids)[s] : static_cast<const int32_t*>(p.topk_ids)[s];
     // The op's range check (Python leaves it here: this pass reads every id anyway, before any
     // weight is touched). std::invalid_argument reaches Python as ValueError.
     if (e < 0 || e >= p.E) {
@@ -69,19 +74,28 @@ Routing route(const MoeParams& p) {
 
 // Splits each active expert's n_blocks into chunks so that there are enough tasks to keep
 // every thread busy; a task is (active index, first block, end block).
-struct Task { int32_t a; int64_t b0, b1; };
+struct Task {
+  int32_t a;
+  int64_t b0, b1;
+};
 
-// The matrix unit (AMX tiles) where the ISA has one; templates so that ISAs without it never
-// instantiate the calls.
-template <class T = isa::Tiles>
-bool use_tiles(int32_t w_dtype, int64_t rows) {
-  if constexpr (T::kAvailable) return w_dtype == kBF16 && rows >= T::kMinRows;
-  else return false;
+// The matrix unit (AMX tiles) where the ISA has one and the format suits it; templates so that
+// ISAs without it never instantiate the calls.
+template <class Fmt, class T = isa::Tiles>
+bool use_tiles(int64_t rows) {
+  if constexpr (T::kAvailable && Fmt::kTiles)
+    return rows >= T::kMinRows;
+  else
+    return false;
 }
 template <class T = isa::Tiles>
-void tiles_begin() { if constexpr (T::kAvailable) T::begin(); }
+void tiles_begin() {
+  if constexpr (T::kAvailable) T::begin();
+}
 template <class T = isa::Tiles>
-void tiles_end() { if constexpr (T::kAvailable) T::end(); }
+void tiles_end() {
+  if constexpr (T::kAvailable) T::end();
+}
 template <class T = isa::Tiles>
 void tiles_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad, float* C,
                int64_t ldc) {
@@ -91,9 +105,7 @@ void tiles_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_
 // waking a worker costs a few microseconds, about what streaming 256 KB takes, so tiny calls
 // (decode with small experts, the gather and combine of a few tokens) stay on the caller.
 constexpr int64_t kBytesPerThread = 256 << 10;
-int threads_for(int64_t bytes, int threads) {
-  return int(std::clamp<int64_t>(bytes / kBytesPerThread, 1, threads));
-}
+int threads_for(int64_t bytes, int threads) { return int(std::clamp<int64_t>(bytes / kBytesPerThread, 1, threads)); }
 
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
@@ -106,103 +118,88 @@ std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, i
 }
 
 struct Dims {
-  bool packed_path;   // packed kernels (pre-packed or packed per task) vs row-dot kernels
-  bool bf16_act;      // activations entering matmuls kept as bf16 (bf16 weights, packed path)
+  bool packed_path;               // packed kernels (pre-packed or packed per task) vs row-dot kernels
+  bool bf16_act;                  // activations entering matmuls stored as bf16 (Fmt::kBf16Act, packed path)
   int64_t ldx, ldh, ldy, kx, kh;  // row strides of X, Hact, Y; reduction lengths of GEMM1/2
   int64_t n_pairs, n_out_blocks;
-  int64_t bytes13, bytes2;        // one packed expert
-  int64_t block13, block2;        // bytes of one packed block
+  int64_t bytes13, bytes2;  // one packed expert
+  int64_t block13, block2;  // bytes of one packed block
 };
 
+template <class Fmt>
 Dims make_dims(const MoeParams& p, const Routing& r) {
   Dims d;
   d.packed_path = p.packed || r.max_rows > kRowsMaxM;
-  d.bf16_act = d.packed_path && p.w_dtype == kBF16;
-  d.kx = d.bf16_act ? round_up(p.H, kBf16KAlign) : p.H;
-  d.kh = d.bf16_act ? round_up(p.I, kBf16KAlign) : p.I;
+  d.bf16_act = d.packed_path && Fmt::kBf16Act;
+  d.kx = d.packed_path ? Fmt::packed_k(p.H) : p.H;
+  d.kh = d.packed_path ? Fmt::packed_k(p.I) : p.I;
   d.ldx = d.kx;
   d.ldh = std::max(d.kh, round_up(p.I, kBlockN));
   d.ldy = round_up(p.H, kBlockN);
   d.n_pairs = ceil_div(p.I, kBlockN);
   d.n_out_blocks = ceil_div(p.H, kBlockN);
-  d.bytes13 = packed_w13_bytes(p.w_dtype, p.H, p.I);
-  d.bytes2 = packed_w2_bytes(p.w_dtype, p.H, p.I);
-  d.block13 = packed_block_elems(p.w_dtype, p.H) * dtype_size(p.w_dtype);
-  d.block2 = packed_block_elems(p.w_dtype, p.I) * dtype_size(p.w_dtype);
+  d.bytes13 = Fmt::w13_bytes(p.H, p.I);
+  d.bytes2 = Fmt::w2_bytes(p.H, p.I);
+  d.block13 = Fmt::block_bytes(p.H);
+  d.block2 = Fmt::block_bytes(p.I);
   return d;
 }
 
-// C[m][NR*16] for rows [0, m) of A against NR packed blocks, m <= isa::kMR.
-template <int NR>
-void packed_tile(int32_t w_dtype, int m, const void* A, int64_t lda, const void* const* B, int64_t kd,
-                 float* C, int64_t ldc) {
-  with_mr(m, [&](auto mr) {
-    constexpr int M = decltype(mr)::value;
-    if (w_dtype == kBF16) {
-      mk_packed_bf16<M, NR>(static_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t* const*>(B),
-                            round_up(kd, kBf16KAlign), C, ldc);
-    } else if (w_dtype == kF16) {
-      mk_packed_f<M, NR>(static_cast<const float*>(A), lda, reinterpret_cast<const uint16_t* const*>(B), kd, C, ldc);
-    } else {
-      mk_packed_f<M, NR>(static_cast<const float*>(A), lda, reinterpret_cast<const float* const*>(B), kd, C, ldc);
-    }
-  });
-}
-
-// Output tiles are at most 32 rows x kMaxNR blocks of 16 columns.
-constexpr int kMaxNR = 4;
+// Output tiles are at most 32 rows x isa::kMaxNR blocks of 16 columns.
+constexpr int kMaxNR = isa::kMaxNR;
 constexpr int64_t kLdc = kMaxNR * kBlockN;
 
 // Runs C[rows][NR*16] = A rows x blocks for `rows` rows (any count), calling epi(row0, m, C, kLdc)
 // per tile of up to 32 rows. AMX handles 32-row tiles when it exists and the expert has rows.
-template <int NR, typename Epi>
-void packed_rows(const MoeParams& p, int64_t rows, const void* A, int64_t lda, const void* const* B, int64_t kd,
-                 Epi&& epi) {
+template <class Fmt, int NR, typename Epi>
+void packed_rows(int64_t rows, const void* A, int64_t lda, const void* const* B, int64_t kd, Epi&& epi) {
+  using Act = typename Micro<Fmt>::Act;
   alignas(64) float C[32 * kLdc];
-  const int64_t asz = p.w_dtype == kBF16 ? 2 : 4;
-  if (use_tiles(p.w_dtype, rows)) {
-    for (int64_t r = 0; r < rows; r += 32) {
-      for (int j = 0; j < NR; j += 2) {
-        tiles_2x2(static_cast<const uint16_t*>(A) + r * lda, lda, static_cast<const uint16_t*>(B[j]),
-                  static_cast<const uint16_t*>(B[std::min(j + 1, NR - 1)]), round_up(kd, kBf16KAlign),
-                  C + j * kBlockN, kLdc);
+  const Act* a = static_cast<const Act*>(A);
+  if constexpr (Fmt::kTiles) {
+    if (use_tiles<Fmt>(rows)) {
+      for (int64_t r = 0; r < rows; r += 32) {
+        for (int j = 0; j < NR; j += 2) {
+          tiles_2x2(a + r * lda, lda, static_cast<const uint16_t*>(B[j]),
+                    static_cast<const uint16_t*>(B[std::min(j + 1, NR - 1)]), Fmt::packed_k(kd), C + j * kBlockN, kLdc);
+        }
+        epi(r, int(std::min<int64_t>(32, rows - r)), C, kLdc);
       }
-      epi(r, int(std::min<int64_t>(32, rows - r)), C, kLdc);
+      return;
     }
-    return;
   }
   for (int64_t r = 0; r < rows; r += isa::kMR) {
-    int m = int(std::min<int64_t>(isa::kMR, rows - r));
-    packed_tile<NR>(p.w_dtype, m, static_cast<const char*>(A) + r * lda * asz, lda, B, kd, C, kLdc);
+    const int m = int(std::min<int64_t>(isa::kMR, rows - r));
+    with_mr(m,
+            [&](auto mr) { Micro<Fmt>::template packed<decltype(mr)::value, NR>(a + r * lda, lda, B, kd, C, kLdc); });
     epi(r, m, C, kLdc);
   }
 }
 
 // packed_rows for a run-time block count nr in [1, isa::kNR].
-template <typename Epi>
-void packed_rows_n(int nr, const MoeParams& p, int64_t rows, const void* A, int64_t lda, const void* const* B,
-                   int64_t kd, Epi&& epi) {
-  static_assert(isa::kNR <= kMaxNR, "output tile");
-  with_count<isa::kNR>(nr, [&](auto NR) { packed_rows<NR>(p, rows, A, lda, B, kd, epi); });
+template <class Fmt, typename Epi>
+void packed_rows_n(int nr, int64_t rows, const void* A, int64_t lda, const void* const* B, int64_t kd, Epi&& epi) {
+  with_count<isa::kNR>(nr, [&](auto NR) { packed_rows<Fmt, NR>(rows, A, lda, B, kd, epi); });
 }
 
 void store_h(const Dims& d, const float* h, void* Hact, int64_t row, int64_t col) {
-  if (d.bf16_act) store_act(h, kBlockN, static_cast<uint16_t*>(Hact) + row * d.ldh + col);
-  else store_act(h, kBlockN, static_cast<float*>(Hact) + row * d.ldh + col);
+  if (d.bf16_act)
+    store_act(h, kBlockN, static_cast<uint16_t*>(Hact) + row * d.ldh + col);
+  else
+    store_act(h, kBlockN, static_cast<float*>(Hact) + row * d.ldh + col);
 }
 
-}  // namespace
-
-void run_moe(const MoeParams& p) {
-  if (p.T == 0) return;
+template <class Fmt>
+void run_format(const MoeParams& p) {
+  static_assert(std::is_same_v<typename Micro<Fmt>::Act, uint16_t> == Fmt::kBf16Act, "packed activations");
   const Routing r = route(p);
-  const Dims d = make_dims(p, r);
+  const Dims d = make_dims<Fmt>(p, r);
   const int threads = std::max(1, p.num_threads);
   ThreadPool& pool = ThreadPool::instance();
   const int64_t S = p.T * p.K;
   const int64_t asz = d.bf16_act ? 2 : 4;
-  const int64_t wsz = dtype_size(p.w_dtype);
-  const bool round_bf16 = p.w_dtype == kBF16;  // contract: matmul inputs rounded to bf16
+  const int64_t wsz = sizeof(typename Fmt::Elem);  // unpacked weights
+  const bool round_bf16 = Fmt::kBf16Act;           // contract: matmul inputs rounded to bf16
 
   // X rows in expert order, plus 32 zero rows so that 32-row tiles never read past the end.
   auto X = uninit<char>((S + 32) * d.ldx * asz);
@@ -246,118 +243,113 @@ void run_moe(const MoeParams& p) {
   const int64_t tiles = ceil_div(r.max_rows, 16);
   const int64_t n_active = int64_t(r.active.size());
   auto tasks1 = make_tasks(r, d.n_pairs, isa::kNR / 2, threads);
-  pool.parallel_for(int64_t(tasks1.size()), threads_for(n_active * d.bytes13 * tiles, threads),
-                    [&](int64_t ti, int worker) {
-    const Task& tk = tasks1[size_t(ti)];
-    const int64_t e = r.active[size_t(tk.a)];
-    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
-    const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? d.bytes13 : 2 * p.I * p.H * wsz);
-    if (d.packed_path) {
-      if (use_tiles(p.w_dtype, rows)) tiles_begin();
-      // isa::kNR / 2 gate/up pairs per output tile.
-      for (int64_t pr = tk.b0; pr < tk.b1; pr += isa::kNR / 2) {
-        const int np = int(std::min<int64_t>(isa::kNR / 2, tk.b1 - pr));
-        const char* blocks = w13e + 2 * pr * d.block13;
-        if (!p.packed) {
-          char* s = scratch_for(worker);
-          pack_w13_blocks(w13e, p.w_dtype, p.H, p.I, 2 * pr, 2 * (pr + np), s);
-          blocks = s;
+  pool.parallel_for(
+      int64_t(tasks1.size()), threads_for(n_active * d.bytes13 * tiles, threads), [&](int64_t ti, int worker) {
+        const Task& tk = tasks1[size_t(ti)];
+        const int64_t e = r.active[size_t(tk.a)];
+        const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+        const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? d.bytes13 : 2 * p.I * p.H * wsz);
+        if (d.packed_path) {
+          if (use_tiles<Fmt>(rows)) tiles_begin();
+          // isa::kNR / 2 gate/up pairs per output tile.
+          for (int64_t pr = tk.b0; pr < tk.b1; pr += isa::kNR / 2) {
+            const int np = int(std::min<int64_t>(isa::kNR / 2, tk.b1 - pr));
+            const char* blocks = w13e + 2 * pr * d.block13;
+            if (!p.packed) {
+              char* s = scratch_for(worker);
+              pack_w13_blocks(w13e, p.w_dtype, p.H, p.I, 2 * pr, 2 * (pr + np), s);
+              blocks = s;
+            }
+            const void* B[kMaxNR];
+            for (int j = 0; j < 2 * np; ++j) B[j] = blocks + j * d.block13;
+            packed_rows_n<Fmt>(2 * np, rows, X.get() + row0 * d.ldx * asz, d.ldx, B, d.kx,
+                               [&](int64_t r0, int m, const float* C, int64_t ldc) {
+                                 float h[kBlockN];
+                                 for (int i = 0; i < m; ++i) {
+                                   for (int q = 0; q < np; ++q) {
+                                     silu_mul16(C + i * ldc + 2 * q * kBlockN, C + i * ldc + (2 * q + 1) * kBlockN, h);
+                                     store_h(d, h, Hact.get(), row0 + r0 + i, (pr + q) * kBlockN);
+                                   }
+                                 }
+                               });
+          }
+          if (use_tiles<Fmt>(rows)) tiles_end();
+          return;
         }
-        const void* B[kMaxNR];
-        for (int j = 0; j < 2 * np; ++j) B[j] = blocks + j * d.block13;
-        packed_rows_n(2 * np, p, rows, X.get() + row0 * d.ldx * asz, d.ldx, B, d.kx,
-                      [&](int64_t r0, int m, const float* C, int64_t ldc) {
-          float h[kBlockN];
-          for (int i = 0; i < m; ++i) {
-            for (int q = 0; q < np; ++q) {
-              silu_mul16(C + i * ldc + 2 * q * kBlockN, C + i * ldc + (2 * q + 1) * kBlockN, h);
-              store_h(d, h, Hact.get(), row0 + r0 + i, (pr + q) * kBlockN);
+        // Row-dot path: gate rows j and up rows I + j of the row-major [2I, H] matrix.
+        float g[isa::kMR * 2 * kBlockN];
+        const float* Xf = reinterpret_cast<const float*>(X.get()) + row0 * d.ldx;
+        for (int64_t pr = tk.b0; pr < tk.b1; ++pr) {
+          for (int64_t i0 = 0; i0 < rows; i0 += isa::kMR) {
+            const int m = int(std::min<int64_t>(isa::kMR, rows - i0));
+            for (int64_t c = 0; c < 2 * kBlockN; c += kRowsNW) {
+              const void* rp[kRowsNW];
+              for (int j = 0; j < kRowsNW; ++j) {
+                int64_t col = std::min(pr * kBlockN + (c + j) % kBlockN, p.I - 1);  // clip: discarded later
+                int64_t wrow = (c + j) < kBlockN ? col : p.I + col;
+                rp[j] = w13e + wrow * p.H * wsz;
+              }
+              with_mr(m, [&](auto mr) {
+                Micro<Fmt>::template rows<decltype(mr)::value>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
+              });
+            }
+            for (int i = 0; i < m; ++i) {
+              float h[kBlockN];
+              silu_mul16(g + i * 2 * kBlockN, g + i * 2 * kBlockN + kBlockN, h);
+              if (round_bf16) round_act_bf16(h, kBlockN);
+              store_h(d, h, Hact.get(), row0 + i0 + i, pr * kBlockN);
             }
           }
-        });
-      }
-      if (use_tiles(p.w_dtype, rows)) tiles_end();
-      return;
-    }
-    // Row-dot path: gate rows j and up rows I + j of the row-major [2I, H] matrix.
-    float g[isa::kMR * 2 * kBlockN];
-    const float* Xf = reinterpret_cast<const float*>(X.get()) + row0 * d.ldx;
-    for (int64_t pr = tk.b0; pr < tk.b1; ++pr) {
-      for (int64_t i0 = 0; i0 < rows; i0 += isa::kMR) {
-        const int m = int(std::min<int64_t>(isa::kMR, rows - i0));
-        for (int64_t c = 0; c < 2 * kBlockN; c += kRowsNW) {
-          const void* rp[kRowsNW];
-          for (int j = 0; j < kRowsNW; ++j) {
-            int64_t col = std::min(pr * kBlockN + (c + j) % kBlockN, p.I - 1);  // clip: discarded later
-            int64_t wrow = (c + j) < kBlockN ? col : p.I + col;
-            rp[j] = w13e + wrow * p.H * wsz;
-          }
-          with_mr(m, [&](auto mr) {
-            constexpr int M = decltype(mr)::value;
-            if (p.w_dtype == kBF16) mk_rows<M, kBF16>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
-            else if (p.w_dtype == kF16) mk_rows<M, kF16>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
-            else mk_rows<M, kF32>(Xf + i0 * d.ldx, d.ldx, rp, p.H, g + c, 2 * kBlockN);
-          });
         }
-        for (int i = 0; i < m; ++i) {
-          float h[kBlockN];
-          silu_mul16(g + i * 2 * kBlockN, g + i * 2 * kBlockN + kBlockN, h);
-          if (round_bf16) round_act_bf16(h, kBlockN);
-          store_h(d, h, Hact.get(), row0 + i0 + i, pr * kBlockN);
-        }
-      }
-    }
-  });
+      });
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
   auto tasks2 = make_tasks(r, d.n_out_blocks, isa::kNR, threads);
-  pool.parallel_for(int64_t(tasks2.size()), threads_for(n_active * d.bytes2 * tiles, threads),
-                    [&](int64_t ti, int worker) {
-    const Task& tk = tasks2[size_t(ti)];
-    const int64_t e = r.active[size_t(tk.a)];
-    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
-    const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? d.bytes2 : p.H * p.I * wsz);
-    if (d.packed_path) {
-      if (use_tiles(p.w_dtype, rows)) tiles_begin();
-      for (int64_t nb = tk.b0; nb < tk.b1; nb += isa::kNR) {
-        const int nr = int(std::min<int64_t>(isa::kNR, tk.b1 - nb));
-        const char* blocks = w2e + nb * d.block2;
-        if (!p.packed) {
-          char* s = scratch_for(worker);
-          pack_w2_blocks(w2e, p.w_dtype, p.H, p.I, nb, nb + nr, s);
-          blocks = s;
+  pool.parallel_for(
+      int64_t(tasks2.size()), threads_for(n_active * d.bytes2 * tiles, threads), [&](int64_t ti, int worker) {
+        const Task& tk = tasks2[size_t(ti)];
+        const int64_t e = r.active[size_t(tk.a)];
+        const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+        const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? d.bytes2 : p.H * p.I * wsz);
+        if (d.packed_path) {
+          if (use_tiles<Fmt>(rows)) tiles_begin();
+          for (int64_t nb = tk.b0; nb < tk.b1; nb += isa::kNR) {
+            const int nr = int(std::min<int64_t>(isa::kNR, tk.b1 - nb));
+            const char* blocks = w2e + nb * d.block2;
+            if (!p.packed) {
+              char* s = scratch_for(worker);
+              pack_w2_blocks(w2e, p.w_dtype, p.H, p.I, nb, nb + nr, s);
+              blocks = s;
+            }
+            const void* B[kMaxNR];
+            for (int j = 0; j < nr; ++j) B[j] = blocks + j * d.block2;
+            packed_rows_n<Fmt>(nr, rows, Hact.get() + row0 * d.ldh * asz, d.ldh, B, d.kh,
+                               [&](int64_t r0, int m, const float* C, int64_t ldc) {
+                                 for (int i = 0; i < m; ++i)
+                                   std::memcpy(Y.get() + (row0 + r0 + i) * d.ldy + nb * kBlockN, C + i * ldc,
+                                               size_t(nr * kBlockN * 4));
+                               });
+          }
+          if (use_tiles<Fmt>(rows)) tiles_end();
+          return;
         }
-        const void* B[kMaxNR];
-        for (int j = 0; j < nr; ++j) B[j] = blocks + j * d.block2;
-        packed_rows_n(nr, p, rows, Hact.get() + row0 * d.ldh * asz, d.ldh, B, d.kh,
-                      [&](int64_t r0, int m, const float* C, int64_t ldc) {
-          for (int i = 0; i < m; ++i)
-            std::memcpy(Y.get() + (row0 + r0 + i) * d.ldy + nb * kBlockN, C + i * ldc, size_t(nr * kBlockN * 4));
-        });
-      }
-      if (use_tiles(p.w_dtype, rows)) tiles_end();
-      return;
-    }
-    const float* Hf = reinterpret_cast<const float*>(Hact.get()) + row0 * d.ldh;
-    for (int64_t nb = tk.b0; nb < tk.b1; ++nb) {
-      for (int64_t i0 = 0; i0 < rows; i0 += isa::kMR) {
-        const int m = int(std::min<int64_t>(isa::kMR, rows - i0));
-        float c[isa::kMR * kBlockN];
-        for (int64_t c0 = 0; c0 < kBlockN; c0 += kRowsNW) {
-          const void* rp[kRowsNW];
-          for (int j = 0; j < kRowsNW; ++j) rp[j] = w2e + std::min(nb * kBlockN + c0 + j, p.H - 1) * p.I * wsz;
-          with_mr(m, [&](auto mr) {
-            constexpr int M = decltype(mr)::value;
-            if (p.w_dtype == kBF16) mk_rows<M, kBF16>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
-            else if (p.w_dtype == kF16) mk_rows<M, kF16>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
-            else mk_rows<M, kF32>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
-          });
+        const float* Hf = reinterpret_cast<const float*>(Hact.get()) + row0 * d.ldh;
+        for (int64_t nb = tk.b0; nb < tk.b1; ++nb) {
+          for (int64_t i0 = 0; i0 < rows; i0 += isa::kMR) {
+            const int m = int(std::min<int64_t>(isa::kMR, rows - i0));
+            float c[isa::kMR * kBlockN];
+            for (int64_t c0 = 0; c0 < kBlockN; c0 += kRowsNW) {
+              const void* rp[kRowsNW];
+              for (int j = 0; j < kRowsNW; ++j) rp[j] = w2e + std::min(nb * kBlockN + c0 + j, p.H - 1) * p.I * wsz;
+              with_mr(m, [&](auto mr) {
+                Micro<Fmt>::template rows<decltype(mr)::value>(Hf + i0 * d.ldh, d.ldh, rp, p.I, c + c0, kBlockN);
+              });
+            }
+            for (int i = 0; i < m; ++i)
+              std::memcpy(Y.get() + (row0 + i0 + i) * d.ldy + nb * kBlockN, c + i * kBlockN, kBlockN * 4);
+          }
         }
-        for (int i = 0; i < m; ++i)
-          std::memcpy(Y.get() + (row0 + i0 + i) * d.ldy + nb * kBlockN, c + i * kBlockN, kBlockN * 4);
-      }
-    }
-  });
+      });
 
   // out[t] = sum_k w[t, k] * Y[pos(t, k)], in k order, then rounded once to x's dtype.
   const int64_t tok_chunk = std::max<int64_t>(1, p.T / (4 * threads));
@@ -373,6 +365,13 @@ void run_moe(const MoeParams& p) {
       store_row(acc.data(), p.H, p.x_dtype, static_cast<char*>(p.out) + t * p.H * dtype_size(p.x_dtype));
     }
   });
+}
+
+}  // namespace
+
+void run_moe(const MoeParams& p) {
+  if (p.T == 0) return;
+  with_format(p.w_dtype, [&](auto fmt) { run_format<decltype(fmt)>(p); });
 }
 
 }  // namespace HMOE_ISA

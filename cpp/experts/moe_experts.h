@@ -1,6 +1,6 @@
 // Entry point of the CPU MoE experts op for the ISA this translation unit is compiled for.
 #pragma once
-#include "experts/moe_params.h"
+#include "hmoe/experts.h"
 
 namespace hmoe {
 namespace HMOE_ISA {

@@ -1,10 +1,10 @@
-// Packing of expert weights into 16-column blocks (see moe_params.h for the layout).
+// Packing of expert weights into 16-column blocks (see format.h for the layout).
 #include "experts/pack.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "experts/moe_params.h"
+#include "experts/format.h"
 
 namespace hmoe {
 namespace {
@@ -52,40 +52,47 @@ void pack_block(const T* src, int64_t kd, const int64_t* rows, bool pairs, int64
   }
 }
 
-// rows_of(block, j) gives the source row of column j of block `block`, or -1.
-template <typename RowsOf>
-void pack_matrix(const void* src, int32_t w_dtype, int64_t b0, int64_t b1, int64_t kd, RowsOf rows_of, void* dst) {
-  const bool pairs = w_dtype == kBF16;
-  const int64_t kpad = packed_k(w_dtype, kd);
-  const int64_t block = packed_block_elems(w_dtype, kd);
+// Blocks [b0, b1) of a matrix of format Fmt with reduction length kd; rows_of(block, j) gives
+// the source row of column j of block `block`, or -1. Copies weights as they are: a format
+// with scales or sub-byte weights brings its own packer.
+template <class Fmt, typename RowsOf>
+void pack_blocks(const void* src, int64_t b0, int64_t b1, int64_t kd, RowsOf rows_of, void* dst) {
+  using T = typename Fmt::Elem;
+  static_assert(Fmt::kScaleK == 0 && Fmt::kBits == 8 * int(sizeof(T)), "an unscaled format of whole elements");
   int64_t rows[kBlockN];
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t j = 0; j < kBlockN; ++j) rows[j] = rows_of(b, j);
-    if (w_dtype == kF32) {
-      pack_block(static_cast<const float*>(src), kd, rows, false, kpad,
-                 static_cast<float*>(dst) + (b - b0) * block);
-    } else {
-      pack_block(static_cast<const uint16_t*>(src), kd, rows, pairs, kpad,
-                 static_cast<uint16_t*>(dst) + (b - b0) * block);
-    }
+    pack_block(static_cast<const T*>(src), kd, rows, Fmt::kKGroup == 2, Fmt::packed_k(kd),
+               reinterpret_cast<T*>(static_cast<char*>(dst) + (b - b0) * Fmt::block_bytes(kd)));
   }
+}
+
+template <typename RowsOf>
+void pack_matrix(const void* src, int32_t w_dtype, int64_t b0, int64_t b1, int64_t kd, RowsOf rows_of, void* dst) {
+  with_format(w_dtype, [&](auto fmt) { pack_blocks<decltype(fmt)>(src, b0, b1, kd, rows_of, dst); });
 }
 
 }  // namespace
 
 void pack_w13_blocks(const void* w13, int32_t w_dtype, int64_t H, int64_t I, int64_t b0, int64_t b1, void* dst) {
-  pack_matrix(w13, w_dtype, b0, b1, H, [I](int64_t b, int64_t j) -> int64_t {
-    int64_t col = (b / 2) * kBlockN + j;  // column within gate (even b) or up (odd b)
-    if (col >= I) return -1;
-    return (b % 2) ? I + col : col;
-  }, dst);
+  pack_matrix(
+      w13, w_dtype, b0, b1, H,
+      [I](int64_t b, int64_t j) -> int64_t {
+        int64_t col = (b / 2) * kBlockN + j;  // column within gate (even b) or up (odd b)
+        if (col >= I) return -1;
+        return (b % 2) ? I + col : col;
+      },
+      dst);
 }
 
 void pack_w2_blocks(const void* w2, int32_t w_dtype, int64_t H, int64_t I, int64_t b0, int64_t b1, void* dst) {
-  pack_matrix(w2, w_dtype, b0, b1, I, [H](int64_t b, int64_t j) -> int64_t {
-    int64_t row = b * kBlockN + j;
-    return row < H ? row : -1;
-  }, dst);
+  pack_matrix(
+      w2, w_dtype, b0, b1, I,
+      [H](int64_t b, int64_t j) -> int64_t {
+        int64_t row = b * kBlockN + j;
+        return row < H ? row : -1;
+      },
+      dst);
 }
 
 }  // namespace hmoe

@@ -1,4 +1,4 @@
-// Repacks row-major expert weights into the packed layout of moe_params.h (bit-exact copy).
+// Repacks row-major expert weights into the packed layout of format.h (bit-exact copy).
 #pragma once
 #include <cstdint>
 

@@ -13,21 +13,47 @@ _U = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 def unit_roundoff(dtype) -> float:
     """u of a torch dtype or its name ("bfloat16")."""
-    return _U[str(dtype).removeprefix("torch.")]
+    return _U[_name(dtype)]
 
 
 # Normwise relative tolerance against the fp64 reference = rounding points x u(dtype):
 #   mla_decode: P rounded to the input dtype before P V, the output rounded once, and the fp32
 #   accumulation and softmax (below u of either 16-bit type): 3 u. Measured on random inputs the
 #   error is about 0.5 u, so 3 u leaves room for long sequences without hiding a wrong kernel.
-_ROUNDINGS = {"mla_decode": 3}
+#   grouped_topk: the weights go through the scoring function (exp and a sum over E for softmax),
+#   the renormalising sum and division and the scaling, each a few roundings of fp32: 16 u.
+_ROUNDINGS = {"mla_decode": 3, "grouped_topk": 16}
 # lse is computed in fp32 from exact products: an absolute bound (a base-2 lse read as natural is
 # off by 30%, and lse here is 3 or more).
 MLA_LSE_ATOL = 1e-2
 
 
-def tolerance(op: str, dtype) -> float:
-    """The normwise relative error op's output may have in `dtype` against its fp64 reference."""
+#   moe_experts: the output rounded once to x's dtype plus fp32 accumulation over H and I (fp32: 2e-5,
+#   fp16: 3 u, bf16: 2 u); bf16 weights add the bf16 rounding of the activations entering each matmul
+#   (the contract), which costs little against the reference that rounds there too (contract=True)
+#   and about 3 u(bf16) (1.2e-2) against one that does not.
+_EXPERTS_OUT = {"float32": 2e-5, "float16": 1.5e-3, "bfloat16": 8e-3}
+#   moe_experts_vs_torch_loop: hmoe's experts against the torch per-expert loop (the benchmark's
+#   check): the loop rounds every intermediate to the weights' dtype, so the two agree to a few units
+#   of the coarser of x's and the weights' dtypes.
+_EXPERTS_TORCH_LOOP = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tolerance(op: str, dtype, *, w_dtype=None, contract: bool = True) -> float:
+    """The normwise relative error op's output may have in `dtype` against its fp64 reference
+    (moe_experts: dtype is x's, w_dtype the weights'; contract says whether the reference rounds
+    where hmoe's precision contract does)."""
+    if op == "moe_experts":
+        tol = _EXPERTS_OUT[_name(dtype)]
+        if _name(w_dtype) == "bfloat16":
+            tol += 2e-4 if contract else 1.2e-2
+        return tol
+    if op == "moe_experts_vs_torch_loop":
+        return max(_EXPERTS_TORCH_LOOP[_name(dtype)], _EXPERTS_TORCH_LOOP[_name(w_dtype)])
     return _ROUNDINGS[op] * unit_roundoff(dtype)
 
 
@@ -47,3 +73,109 @@ def mla_decode(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
             s = (q_nope[b].double() @ kv.T + q_pe[b].double() @ pe.T) * sm_scale
             lse[b], out[b] = torch.logsumexp(s, -1), torch.softmax(s, -1) @ kv
     return out.float(), lse.float()
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2, *, contract: bool = True):
+    """fp64 [T, H]: the math of hmoe.ops.moe_experts_cpu's docstring, token by token, for small
+    problems. With contract=True the activations entering each matmul are rounded to bf16 when the
+    weights are bf16 (hmoe's precision contract); otherwise nothing is rounded."""
+    import torch
+    import torch.nn.functional as F
+
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    bf16_act = contract and w13.dtype == torch.bfloat16
+
+    def act(v):
+        return v.to(torch.bfloat16).double() if bf16_act else v
+
+    xd = act(x.double())
+    out = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            we = w13[e].double()
+            g, u = xd[t] @ we[:inter].T, xd[t] @ we[inter:].T
+            out[t] += float(topk_weights[t, k]) * (act(F.silu(g) * u) @ w2[e].double().T)
+    return out
+
+
+def _rank_desc(values, eligible=None):
+    """Indices of the last dim by (eligible first, value descending, index ascending)."""
+    import torch
+
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    if eligible is not None:  # a second stable sort makes the key lexicographic
+        elig = eligible.gather(-1, order).to(torch.int8)
+        order = order.gather(-1, torch.sort(elig, dim=-1, descending=True, stable=True).indices)
+    return order
+
+
+def _gap(ranked, n: int, valid=None):
+    """The gap between ranked[:, n-1] and ranked[:, n] relative to their size (scores are
+    often << 1), where both are finite (and valid), else +inf."""
+    import torch
+
+    T, M = ranked.shape
+    if n >= M:
+        return torch.full((T,), float("inf"), dtype=ranked.dtype)
+    a, b = ranked[:, n - 1], ranked[:, n]
+    ok = torch.isfinite(a) & torch.isfinite(b)
+    if valid is not None:
+        ok &= valid[:, n]
+    gap = (a - b) / (torch.maximum(a.abs(), b.abs()) + 0.01)
+    return torch.where(ok, gap, torch.full_like(a, float("inf")))
+
+
+def grouped_topk(logits, top_k, *, n_group=1, topk_group=1, scoring="softmax", bias=None, renormalize=True,
+                 routed_scaling_factor=1.0, dtype=None):
+    """hmoe.ops.grouped_topk in torch: same semantics, same rounding points, same tie and NaN rules
+    (stable sorts give the lower index on ties), in `dtype` (default float32; float64 for the
+    exact math). Returns (weights [T, K] in `dtype`, ids int64 [T, K], sel [T, E], margin [T]) with the K
+    ids in the documented order. sel is the selection score used for ranking (NaN already
+    -inf). margin is the smallest relative gap between the last value kept and the first one left out
+    (experts, and groups when some are dropped) among finite values, +inf when none: a token
+    whose margin is tiny but not 0 may legitimately route differently in another
+    implementation (rounding), while exact ties are resolved identically (lower index)."""
+    import torch
+
+    x = logits.to(dtype or torch.float32)
+    dtype = x.dtype
+    T, E = x.shape
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=x.device)
+    nan = torch.isnan(x)
+    if scoring == "softmax":
+        scores = torch.softmax(x.masked_fill(nan, float("-inf")), dim=-1)
+        # No finite logit (or +inf ones): softmax gives NaN where hmoe gives 0.
+        scores = torch.where(torch.isnan(scores), torch.zeros_like(scores), scores)
+        sel = scores.masked_fill(nan, float("-inf"))
+    else:
+        scores = torch.sigmoid(x).masked_fill(nan, 0.0)
+        sel = scores + bias.to(dtype) if bias is not None else scores.clone()
+        sel = torch.where(nan | torch.isnan(sel), neg_inf, sel)
+
+    S = E // n_group
+    if topk_group < n_group:
+        grouped = sel.view(T, n_group, S)
+        if scoring == "softmax":
+            gscore = grouped.max(dim=-1).values
+        else:
+            gscore = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            gscore = torch.where(torch.isnan(gscore), neg_inf, gscore)
+        gorder = _rank_desc(gscore)
+        margin = _gap(gscore.gather(1, gorder), topk_group)
+        gmask = torch.zeros(T, n_group, dtype=torch.bool, device=x.device)
+        gmask.scatter_(1, gorder[:, :topk_group], True)
+        emask = gmask.repeat_interleave(S, dim=1)
+        order = _rank_desc(sel, emask)
+        margin = torch.minimum(margin, _gap(sel.gather(1, order), top_k, emask.gather(1, order)))
+    else:
+        order = _rank_desc(sel)
+        margin = _gap(sel.gather(1, order), top_k)
+    ids = order[:, :top_k]
+
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * routed_scaling_factor
+    return weights, ids, sel, margin

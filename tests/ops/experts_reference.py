@@ -1,39 +1,6 @@
-"""fp64 references for moe_experts_cpu: plain, and one that rounds where the contract says."""
+"""Random problems and the error measure of the moe_experts_cpu tests (the reference and its
+tolerance: hmoe._reference)."""
 import torch
-import torch.nn.functional as F
-
-
-def moe_reference(x, ids, w, w13, w2, *, contract=True):
-    """Returns fp64 [T, H]. With contract=True, activations entering each matmul are rounded
-    to bf16 when the weights are bf16 (hmoe's precision contract); otherwise nothing is rounded."""
-    T, H = x.shape
-    I = w13.shape[1] // 2
-    bf16_act = contract and w13.dtype == torch.bfloat16
-
-    def act(v):
-        return v.to(torch.bfloat16).double() if bf16_act else v
-
-    xd = act(x.double())
-    out = torch.zeros(T, H, dtype=torch.float64)
-    for t in range(T):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            we = w13[e].double()
-            g, u = xd[t] @ we[:I].T, xd[t] @ we[I:].T
-            h = act(F.silu(g) * u)
-            out[t] += float(w[t, k]) * (h @ w2[e].double().T)
-    return out
-
-
-def tolerance(x_dtype, w_dtype, contract=True):
-    """Norm-relative tolerance: the output rounding of x_dtype plus fp32 accumulation; against
-    the unrounded reference, bf16/fp16 weights add their activation rounding."""
-    out = {torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 8e-3}[x_dtype]
-    if w_dtype == torch.bfloat16:
-        out += 2e-4 if contract else 1.2e-2
-    elif w_dtype == torch.float16 and x_dtype == torch.float16:
-        out += 0.0
-    return out
 
 
 def rel_err(y, ref):

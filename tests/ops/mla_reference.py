@@ -1,29 +1,13 @@
-"""fp32 reference for mla_decode computed from the gathered pages, and a paged-cache builder."""
+"""The mla_decode reference on the CPU, a paged-cache builder and the error measure of the tests."""
 import torch
 
 from hmoe import _reference
 
 
 def mla_reference(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
-    """Returns (out fp32 [B, H, 512], lse fp32 [B, H]) on the CPU."""
-    B, H, _ = q_nope.shape
-    page = ckv.shape[1]
-    out = torch.zeros(B, H, 512)
-    lse = torch.full((B, H), float("-inf"))
-    pt, lens = page_table.cpu(), seq_lens.cpu()
-    ckv_c, kpe_c = ckv.float().cpu(), kpe.float().cpu()
-    q = torch.cat([q_nope, q_pe], -1).float().cpu()
-    for b in range(B):
-        L = int(lens[b])
-        if L == 0:
-            continue
-        pages = pt[b, : (L + page - 1) // page].long()
-        kv = ckv_c[pages].reshape(-1, 512)[:L]
-        k = torch.cat([kv, kpe_c[pages].reshape(-1, 64)[:L]], -1)
-        s = (q[b] @ k.T) * sm_scale
-        lse[b] = torch.logsumexp(s, -1)
-        out[b] = torch.softmax(s, -1) @ kv
-    return out, lse
+    """(out fp32 [B, H, 512], lse fp32 [B, H]) on the CPU: hmoe._reference.mla_decode (fp64)."""
+    args = (t.cpu() for t in (q_nope, q_pe, ckv, kpe, page_table, seq_lens))
+    return _reference.mla_decode(*args, sm_scale)
 
 
 def make_cache(B, H, lens, page, dtype, device, gen, extra_pages=3, poison=float("nan")):
@@ -58,5 +42,5 @@ def rel_err(x, ref):
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-# Normwise, against the fp32 reference above: hmoe._reference's rule for mla_decode.
+# Normwise, against the fp64 reference: hmoe._reference's rule for mla_decode.
 TOL = {dt: _reference.tolerance("mla_decode", dt) for dt in (torch.bfloat16, torch.float16)}

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import hmoe
-
-from .topk_reference import grouped_topk_reference
+from hmoe import _reference
 
 grouped_topk = hmoe.ops.grouped_topk
 
@@ -25,7 +24,7 @@ NEAR_TIE = 1e-5
 
 
 def _rel_gap(a, b):
-    return (a - b) / (torch.maximum(a.abs(), b.abs()) + 0.01)  # as topk_reference._gap
+    return (a - b) / (torch.maximum(a.abs(), b.abs()) + 0.01)  # as _reference._gap
 
 
 def _check(w, ids, ref_w, ref_ids, ref_sel, margin, *, rtol=1e-6, atol=1e-6):
@@ -55,7 +54,7 @@ def _check(w, ids, ref_w, ref_ids, ref_sel, margin, *, rtol=1e-6, atol=1e-6):
 
 def _run_both(logits, top_k, **kw):
     w, ids = grouped_topk(logits, top_k, **kw)
-    ref = grouped_topk_reference(logits.cpu(), top_k,
+    ref = _reference.grouped_topk(logits.cpu(), top_k,
                                  **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()})
     return w, ids, ref
 
@@ -114,7 +113,7 @@ def test_against_fp64_reference(device, scoring):
     kw = dict(n_group=8, topk_group=4, scoring=scoring, bias=bias, routed_scaling_factor=2.5)
     w, ids = grouped_topk(logits, 8, **kw)
     kw["bias"] = None if bias is None else bias.cpu()
-    ref = grouped_topk_reference(logits.cpu(), 8, dtype=torch.float64, **kw)
+    ref = _reference.grouped_topk(logits.cpu(), 8, dtype=torch.float64, **kw)
     _check(w, ids, *ref, rtol=1e-5, atol=1e-6)
 
 
@@ -141,7 +140,7 @@ def test_matches_transformers_deepseek_v3(device, E, K, G, TG, norm):
     w, ids = grouped_topk(logits.to(device), K, n_group=G, topk_group=TG, scoring="sigmoid",
                           bias=router.e_score_correction_bias.to(device), renormalize=norm,
                           routed_scaling_factor=2.5)
-    _, _, rsel, margin = grouped_topk_reference(logits, K, n_group=G, topk_group=TG,
+    _, _, rsel, margin = _reference.grouped_topk(logits, K, n_group=G, topk_group=TG,
                                                 scoring="sigmoid",
                                                 bias=router.e_score_correction_bias)
     _check(w, ids, tw, tids, rsel, margin)
@@ -163,7 +162,7 @@ def test_matches_transformers_deepseek_v2(device, E, K, G, TG, method):
     # transformers' V2 router never renormalises (norm_topk_prob is unused there).
     w, ids = grouped_topk(logits.to(device), K, n_group=G or 1, topk_group=TG or 1,
                           scoring="softmax", renormalize=False, routed_scaling_factor=16.0)
-    _, _, rsel, margin = grouped_topk_reference(logits, K, n_group=G or 1, topk_group=TG or 1)
+    _, _, rsel, margin = _reference.grouped_topk(logits, K, n_group=G or 1, topk_group=TG or 1)
     _check(w, ids, tw, tids, rsel, margin, atol=1e-5)  # weights up to 16
 
 
@@ -322,7 +321,7 @@ def test_cuda_large_shapes_match_cpu(E, G, TG, K, scoring):
     kw = dict(n_group=G, topk_group=TG, scoring=scoring, routed_scaling_factor=2.5)
     w, ids = grouped_topk(x.to(dev), K, bias=None if bias is None else bias.to(dev), **kw)
     cw, cids = grouped_topk(x, K, bias=bias, **kw)
-    _, _, rsel, margin = grouped_topk_reference(x, K, bias=bias, **kw)
+    _, _, rsel, margin = _reference.grouped_topk(x, K, bias=bias, **kw)
     _check(w, ids, cw, cids.long(), rsel, margin)
 
 
@@ -333,7 +332,7 @@ def test_cuda_grid_stride_many_tokens():
     kw = dict(n_group=4, topk_group=2, scoring="sigmoid")
     w, ids = grouped_topk(x.to(dev), 2, **kw)
     cw, cids = grouped_topk(x, 2, **kw)
-    _, _, rsel, margin = grouped_topk_reference(x, 2, **kw)
+    _, _, rsel, margin = _reference.grouped_topk(x, 2, **kw)
     _check(w, ids, cw, cids.long(), rsel, margin)
 
 

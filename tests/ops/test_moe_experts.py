@@ -10,7 +10,9 @@ from hmoe import dispatch
 from hmoe.hardware import cpu as hcpu
 from hmoe.ops import experts as ops_experts
 
-from .experts_reference import moe_reference, random_problem, rel_err, tolerance
+from hmoe import _reference
+
+from .experts_reference import random_problem, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -28,10 +30,10 @@ ISAS = runnable_isas()
 
 def check(y, x, ids, w, w13, w2):
     assert y.dtype == x.dtype and y.shape == x.shape
-    ref_c = moe_reference(x, ids, w, w13, w2, contract=True)
-    ref_p = moe_reference(x, ids, w, w13, w2, contract=False)
-    assert rel_err(y, ref_c) < tolerance(x.dtype, w13.dtype, True)
-    assert rel_err(y, ref_p) < tolerance(x.dtype, w13.dtype, False)
+    ref_c = _reference.moe_experts(x, ids, w, w13, w2, contract=True)
+    ref_p = _reference.moe_experts(x, ids, w, w13, w2, contract=False)
+    assert rel_err(y, ref_c) < _reference.tolerance("moe_experts", x.dtype, w_dtype=w13.dtype, contract=True)
+    assert rel_err(y, ref_p) < _reference.tolerance("moe_experts", x.dtype, w_dtype=w13.dtype, contract=False)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -86,8 +88,8 @@ def test_nan_stays_in_its_token(isa):
     for y in (hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, isa=isa), hmoe.CPUExperts(w13, w2, isa=isa)(x, ids, w)):
         assert torch.isnan(y[5]).all()
         keep = torch.arange(12) != 5
-        ref = moe_reference(x[keep], ids[keep], w[keep], w13, w2)
-        assert rel_err(y[keep], ref) < tolerance(torch.float32, torch.bfloat16)
+        ref = _reference.moe_experts(x[keep], ids[keep], w[keep], w13, w2)
+        assert rel_err(y[keep], ref) < _reference.tolerance("moe_experts", torch.float32, w_dtype=torch.bfloat16)
 
 
 def test_duplicate_ids_and_zero_tokens():

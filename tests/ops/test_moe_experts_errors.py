@@ -57,3 +57,37 @@ def test_cpuexperts_bad_input():
 def test_unknown_isa():
     with pytest.raises(ValueError, match="known levels"):
         hmoe.ops.moe_experts_cpu(*good(), isa="avx1024")
+
+
+def _selected_module():
+    from hmoe.ops import experts as _experts
+
+    return _experts.module(_experts.select())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_no_weight_format_for_dtype(dtype):
+    """A weight dtype no format covers is refused by name wherever the native layer meets it."""
+    from hmoe._dtypes import code
+
+    mod = _selected_module()
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=f"no weight format for dtype {name}"):
+        mod.packed_bytes(code(dtype), 64, 32)
+    x, ids, w, _, _ = good()
+    blob = torch.zeros(1 << 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=f"no weight format for dtype {name}"):
+        mod.moe_experts_packed(x, ids, w, blob, blob, code(dtype), 3, 16, 8, None, 1)
+
+
+@pytest.mark.parametrize("dtype,H,I", [(torch.bfloat16, 33, 17), (torch.bfloat16, 64, 32),
+                                       (torch.float16, 33, 17), (torch.float32, 7, 40)])
+def test_packed_sizes_follow_the_layout(dtype, H, I):
+    """Blocks of 16 columns over the whole reduction; bf16 pads the reduction to 32 (pairs)."""
+    from hmoe._dtypes import code
+
+    esz = torch.empty(0, dtype=dtype).element_size()
+    kpad = (lambda k: -(-k // 32) * 32) if dtype == torch.bfloat16 else (lambda k: k)
+    blocks = lambda n: -(-n // 16)  # noqa: E731
+    want = (2 * blocks(I) * 16 * kpad(H) * esz, blocks(H) * 16 * kpad(I) * esz)
+    assert tuple(_selected_module().packed_bytes(code(dtype), H, I)) == want

@@ -1,5 +1,6 @@
 // AMX-BF16 ops for the expert kernels: the avx512_bf16 register ops plus a 2x2 tile GEMM
 // used for experts with at least Tiles::kMinRows rows.
+// Included through isa/contract.h, which states and checks what this header provides.
 #pragma once
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -53,8 +54,8 @@ struct Tiles {
   // C[32][32] (fp32, row stride ldc) = A[32 rows, kpad] x blocks (B0, B1), kpad a multiple of 32.
   // A is bf16 row-major with lda elements; B0/B1 are packed blocks [kpad/2][16][2].
   // tmm0..3 accumulate, tmm4/5 hold A rows 0-15/16-31, tmm6/7 hold B0/B1.
-  static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad,
-                      float* C, int64_t ldc) {
+  static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad, float* C,
+                      int64_t ldc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);

@@ -1,4 +1,5 @@
 // AVX2/FMA/F16C ops for the expert kernels: 16 fp32 lanes as two ymm registers.
+// Included through isa/contract.h, which states and checks what this header provides.
 #pragma once
 #include <immintrin.h>
 
@@ -8,14 +9,22 @@ namespace hmoe::isa {
 
 constexpr int kMR = 2;
 constexpr int kNR = 2;  // 16-column blocks per register tile
-struct Tiles { static constexpr bool kAvailable = false; };  // no matrix unit
+using Tiles = NoTiles;
 
-struct V { __m256 a, b; };
+struct V {
+  __m256 a, b;
+};
 
 inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void vstore(float* p, const V& x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
-inline V vbcast(float s) { __m256 v = _mm256_set1_ps(s); return {v, v}; }
+inline void vstore(float* p, const V& x) {
+  _mm256_storeu_ps(p, x.a);
+  _mm256_storeu_ps(p + 8, x.b);
+}
+inline V vbcast(float s) {
+  __m256 v = _mm256_set1_ps(s);
+  return {v, v};
+}
 inline V vfma(const V& x, const V& y, const V& c) {
   return {_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)};
 }
@@ -31,17 +40,19 @@ inline V vload_f16(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-inline __m256 bf16x8_to_f32(__m128i h) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+inline __m256 bf16x8_to_f32(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 inline V vload_bf16(const uint16_t* p) {
   return {bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 
 // A bf16 pair packed in 32 bits: the low half is k even, the high half k odd.
-struct BPair { V lo, hi; };
-struct APair { __m256 a0, a1; };
+struct BPair {
+  V lo, hi;
+};
+struct APair {
+  __m256 a0, a1;
+};
 inline BPair load_bpair(const uint16_t* p) {
   const __m256i mask = _mm256_set1_epi32(int(0xffff0000u));
   __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

@@ -1,4 +1,5 @@
 // AVX-512 (F/BW/DQ/VL) ops for the expert kernels; bf16 pairs are widened and use FMA.
+// Included through isa/contract.h, which states and checks what this header provides.
 #pragma once
 #include "experts/isa/avx512_common.h"
 
@@ -6,10 +7,14 @@ namespace hmoe::isa {
 
 constexpr int kMR = 4;
 constexpr int kNR = 4;  // 16-column blocks per register tile
-struct Tiles { static constexpr bool kAvailable = false; };  // no matrix unit
+using Tiles = NoTiles;
 
-struct BPair { V lo, hi; };
-struct APair { V a0, a1; };
+struct BPair {
+  V lo, hi;
+};
+struct APair {
+  V a0, a1;
+};
 inline BPair load_bpair(const uint16_t* p) {
   __m512i u = _mm512_loadu_si512(p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(u, 16)),

@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 
+from hmoe import _reference
 from hmoe.bench import membw
 from hmoe.bench._report import progress, table_header
 
@@ -36,10 +37,6 @@ SHAPES = {
     "v3": Shape("v3", 7168, 2048, 256, 8, 256),  # DeepSeek-V3 routed experts
 }
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
-# Normwise relative error allowed between hmoe and the torch loop. The loop rounds every
-# intermediate (matmul outputs, silu*up, the weighted expert outputs) to the input dtype and
-# hmoe accumulates in fp32, so the bound is a few units of the dtype's rounding, not fp32's.
-TOLERANCE = {"bf16": 3e-2, "fp16": 5e-3, "fp32": 1e-4}
 DECODE_MAX_T = 16  # the functional API is measured on decode rows only (it may pack per call)
 
 
@@ -212,7 +209,7 @@ def run_shape_dtype(shape, dname, opts, copy_gbps, emit, progress, flush):
     except Exception as e:  # reported in the table, the torch rows still run
         err = f"CPUExperts: {type(e).__name__}: {e}"
     per_expert = shape.expert_bytes(elt)
-    tol = max(TOLERANCE[dname], TOLERANCE[xname])
+    tol = _reference.tolerance("moe_experts_vs_torch_loop", xdt, w_dtype=wdt)
     for T in opts.tokens:
         inputs = functools.lru_cache(maxsize=None)(
             lambda r, T=T: make_inputs(shape, T, xdt, opts.seed * 1_000_003 + T * 7919 + r))

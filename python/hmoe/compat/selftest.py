@@ -6,11 +6,10 @@ from __future__ import annotations
 SELFTESTS: dict = {}
 
 
-def _close(got, want, rtol: float, atol: float) -> tuple[bool, str]:
-    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    scale = want.double().abs().max().item() if want.numel() else 0.0
-    ok = err <= atol + rtol * scale
-    return ok, f"max abs error {err:.2e} (allowed {atol + rtol * scale:.2e})"
+def _normwise(got, want, tol: float) -> tuple[bool, str]:
+    """got against the fp64 reference `want`, normwise (NaN never passes)."""
+    err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300))
+    return err <= tol, f"normwise error {err:.1e} (allowed {tol:.1e})"
 
 
 def experts_selftest(device: str):
@@ -19,6 +18,7 @@ def experts_selftest(device: str):
         return None
     import torch
 
+    from .. import _reference
     from ..ops import experts as ex
 
     g = torch.Generator().manual_seed(0)
@@ -29,51 +29,34 @@ def experts_selftest(device: str):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, K, generator=g)
     got = ex.moe_experts_cpu(x, ids, w, w13, w2)
-    want = torch.zeros(T, H, dtype=torch.float64)
-    for t in range(T):
-        for k in range(K):
-            e = int(ids[t, k])
-            gu = w13[e].double() @ x[t].double()
-            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
-            want[t] += float(w[t, k]) * (w2[e].double() @ h)
-    ok, detail = _close(got, want, 1e-4, 1e-5)
+    tol = _reference.tolerance("moe_experts", torch.float32, w_dtype=torch.float32)
+    ok, detail = _normwise(got, _reference.moe_experts(x, ids, w, w13, w2), tol)
     return ok, f"{ex.select().variant}: {detail}"
 
 
-def _topk_reference(logits, bias, top_k, n_group, topk_group, rsf):
-    """DeepseekV3 routing (sigmoid + bias, groups ranked by their two best), in fp64."""
-    import torch
-
-    scores = torch.sigmoid(logits.double())
-    sel = scores + bias.double()
-    T, E = sel.shape
-    groups = sel.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
-    keep = torch.zeros_like(groups).scatter_(1, groups.topk(topk_group, dim=-1).indices, 1.0)
-    mask = keep.repeat_interleave(E // n_group, dim=1).bool()
-    ids = sel.masked_fill(~mask, float("-inf")).topk(top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    return w / (w.sum(-1, keepdim=True) + 1e-20) * rsf, ids
-
-
 def grouped_topk_selftest(device: str):
-    """grouped_topk (sigmoid, bias, 4 groups) against an fp64 reference; ids compared as sets."""
+    """grouped_topk (sigmoid, bias, 4 groups) against the fp64 reference; ids compared as sets."""
     import torch
 
-    from ..ops import grouped_topk
+    from .. import _reference
+    from ..ops import _cuda, grouped_topk
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(8, 32, generator=g)
     bias = torch.randn(32, generator=g) * 0.1
-    want_w, want_ids = _topk_reference(logits, bias, 4, 4, 2, 2.5)
-    w, ids = grouped_topk(logits.to(device), 4, n_group=4, topk_group=2, scoring="sigmoid",
-                          bias=bias.to(device), routed_scaling_factor=2.5)
+    kw = dict(n_group=4, topk_group=2, scoring="sigmoid", routed_scaling_factor=2.5)
+    want_w, want_ids, _, _ = _reference.grouped_topk(logits, 4, bias=bias, dtype=torch.float64, **kw)
+    w, ids = grouped_topk(logits.to(device), 4, bias=bias.to(device), **kw)
     w, ids = w.cpu(), ids.cpu().long()
     if not all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids, want_ids)):
         return False, "chose different experts than the reference"
     got = w.gather(1, ids.argsort(dim=1))
     want = want_w.gather(1, want_ids.argsort(dim=1))
-    ok, detail = _close(got, want, 1e-5, 1e-6)
-    return ok, f"{'cpu_core' if device == 'cpu' else 'cuda_ops'}: {detail}"
+    ok, detail = _normwise(got, want, _reference.tolerance("grouped_topk", torch.float32))
+    if device == "cpu":
+        return ok, f"cpu_core: {detail}"
+    sel = _cuda.select("grouped_topk", _cuda.device_index(torch, torch.device(device)))
+    return ok, f"{sel.variant} {sel.target}: {detail}"
 
 
 def mla_decode_selftest(device: str):
@@ -96,10 +79,9 @@ def mla_decode_selftest(device: str):
     got = mla_decode(qn.to(device), qp.to(device), ckv.to(device), kpe.to(device), pt.to(device),
                      seq_lens.to(device), sm_scale=0.07).float().cpu()
     want = _reference.mla_decode(qn, qp, ckv, kpe, pt, seq_lens, 0.07)[0].double()
-    err = float((got.double() - want).norm() / want.norm())
-    tol = _reference.tolerance("mla_decode", torch.bfloat16)
+    ok, detail = _normwise(got, want, _reference.tolerance("mla_decode", torch.bfloat16))
     sel = _cuda.select("mla_decode", _cuda.device_index(torch, torch.device(device)))
-    return err <= tol, f"{sel.variant} {sel.target}: normwise error {err:.1e} (allowed {tol:.1e})"
+    return ok, f"{sel.variant} {sel.target}: {detail}"
 
 
 SELFTESTS["experts"] = experts_selftest

@@ -1,0 +1,89 @@
+// The contract of the ISA headers of the expert kernels (isa/<level>.h, one per level of
+// arch/cpu.json). Include this file, never an ISA header: it includes the header of the level
+// this module is compiled for (HMOE_ISA_HEADER, set by cpp/CMakeLists.txt) and checks it.
+//
+// In namespace hmoe::isa, an ISA header defines:
+//   kMR, kNR      register tile of the packed microkernels: kMR rows (1..8) x kNR blocks of 16
+//                 columns (2 or 4: w13 tasks take kNR / 2 gate/up pairs)
+//   V             16 fp32 lanes; vzero, vload, vstore, vbcast, vfma(a, b, c) = a * b + c,
+//                 vadd, vsum (horizontal), vload_f16, vload_bf16 (16 halves widened to fp32)
+//   BPair, APair  a k-pair of a bf16 block ([16][2]) and a broadcast activation pair;
+//                 load_bpair, bcast_apair, dot_pair(acc, a, b) = acc + a.lo * b.lo + a.hi * b.hi
+//   Tiles         the matrix unit: NoTiles where there is none, else kAvailable = true,
+//                 kMinRows (experts with fewer rows use the register kernels), begin() / end()
+//                 around a thread's tile work, ensure_permission() ("" once usable, else why
+//                 not) and mma_2x2 (C[32][32] = A[32, kpad] x two bf16 blocks)
+#pragma once
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+namespace hmoe::isa {
+
+// An ISA without a matrix unit.
+struct NoTiles {
+  static constexpr bool kAvailable = false;
+};
+
+// Blocks of 16 columns per output tile that run_moe provides room for.
+constexpr int kMaxNR = 4;
+
+}  // namespace hmoe::isa
+
+#include HMOE_ISA_HEADER
+
+// Vector types as template arguments lose their alignment attributes (not their width): the
+// comparisons below stay exact, the warning says nothing here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+
+namespace hmoe::isa {
+
+// A value of type T in unevaluated operands (declared only: the checks compile no code).
+template <class T>
+T any();
+
+template <class T>
+constexpr bool TilesContract() {
+  if constexpr (T::kAvailable) {
+    static_assert(std::is_same_v<decltype(T::kMinRows), const int64_t> && T::kMinRows >= 1, "Tiles::kMinRows");
+    static_assert(std::is_same_v<decltype(T::ensure_permission()), const char*>, "Tiles::ensure_permission");
+    static_assert(std::is_void_v<decltype(T::begin())> && std::is_void_v<decltype(T::end())>, "Tiles::begin/end");
+    static_assert(
+        std::is_void_v<decltype(T::mma_2x2(any<const uint16_t*>(), any<int64_t>(), any<const uint16_t*>(),
+                                           any<const uint16_t*>(), any<int64_t>(), any<float*>(), any<int64_t>()))>,
+        "Tiles::mma_2x2(A, lda, B0, B1, kpad, C, ldc)");
+  } else {
+    static_assert(std::is_same_v<T, NoTiles>, "an ISA without a matrix unit uses NoTiles");
+  }
+  return true;
+}
+
+template <class Vec = V>
+constexpr bool IsaContract() {
+  static_assert(std::is_same_v<decltype(kMR), const int> && kMR >= 1 && kMR <= 8, "kMR in 1..8");
+  static_assert(std::is_same_v<decltype(kNR), const int> && (kNR == 2 || kNR == 4) && kNR <= kMaxNR, "kNR: 2 or 4");
+  static_assert(sizeof(Vec) == 64, "V holds 16 fp32 lanes");
+  using CV = const Vec&;
+  using F = const float*;
+  using H = const uint16_t*;
+  static_assert(std::is_same_v<decltype(vzero()), Vec>, "vzero");
+  static_assert(std::is_same_v<decltype(vload(any<F>())), Vec>, "vload");
+  static_assert(std::is_void_v<decltype(vstore(any<float*>(), any<CV>()))>, "vstore");
+  static_assert(std::is_same_v<decltype(vbcast(any<float>())), Vec>, "vbcast");
+  static_assert(std::is_same_v<decltype(vfma(any<CV>(), any<CV>(), any<CV>())), Vec>, "vfma");
+  static_assert(std::is_same_v<decltype(vadd(any<CV>(), any<CV>())), Vec>, "vadd");
+  static_assert(std::is_same_v<decltype(vsum(any<CV>())), float>, "vsum");
+  static_assert(std::is_same_v<decltype(vload_f16(any<H>())), Vec>, "vload_f16");
+  static_assert(std::is_same_v<decltype(vload_bf16(any<H>())), Vec>, "vload_bf16");
+  static_assert(std::is_same_v<decltype(load_bpair(any<H>())), BPair>, "load_bpair");
+  static_assert(std::is_same_v<decltype(bcast_apair(any<H>())), APair>, "bcast_apair");
+  static_assert(std::is_same_v<decltype(dot_pair(any<CV>(), any<const APair&>(), any<const BPair&>())), Vec>,
+                "dot_pair");
+  return TilesContract<Tiles>();
+}
+static_assert(IsaContract(), "the ISA header fulfils the contract above");
+
+}  // namespace hmoe::isa
+
+#pragma GCC diagnostic pop
