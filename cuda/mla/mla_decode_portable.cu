@@ -422,7 +422,7 @@ int device_attr(int device, cudaDeviceAttr attr) {
 // (~93 / ~83 KB: two CTAs per H100 SM, one per sm_89 SM). More heads per CTA would need more
 // registers for O and Q than a thread has; a third ring buffer ran no faster and 16-token steps
 // with the two products of consecutive steps interleaved ran slower (measured on an H200:
-// cuda/mla/NOTES.md).
+// docs/perf/mla_decode.md).
 constexpr int kConfigs[][1] = {{2}, {1}};
 constexpr int kNumConfigs = 2;
 
