@@ -1,6 +1,10 @@
 // Python module hmoe._native.experts_<isa>: the CPU MoE experts op built for one ISA level.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -38,6 +42,55 @@ py::object run(MoeParams& p, py::handle out, const hb::TensorArg& w13, const hb:
   return result;
 }
 
+// p for prepacked weights (checked against E, H, I and their dtype) and the tokens.
+MoeParams packed_params(py::handle x, py::handle topk_ids, py::handle topk_weights, const hb::TensorArg& a,
+                        const hb::TensorArg& b, int32_t w_dtype, int64_t E, int64_t H, int64_t I) {
+  if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("moe_experts_packed: bad sizes");
+  if (a.numel != E * hmoe::packed_w13_bytes(w_dtype, H, I) || b.numel != E * hmoe::packed_w2_bytes(w_dtype, H, I))
+    throw std::invalid_argument("moe_experts_packed: the packed weights do not match E, H, I and their dtype");
+  MoeParams p{};
+  hb::expert_tokens(x, topk_ids, topk_weights, H, p);
+  p.w13 = a.data, p.w2 = b.data, p.w_dtype = w_dtype, p.packed = 1, p.E = E, p.H = H, p.I = I;
+  return p;
+}
+
+hb::TensorArg packed_arg(py::handle t, const char* name) {
+  return hb::tensor(t, name, hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
+}
+
+// A host job: the experts op over fixed buffers (pinned by the caller), run by whoever calls
+// run_job(job) with no Python and no GIL: a CUDA host function enqueued on a stream
+// (cudaLaunchHostFunc, also inside a captured CUDA graph). Nothing may throw out of run_job: an
+// error is kept for host_job_error and the output is filled with NaN, so that a failure is never
+// a plausible result.
+struct HostJob {
+  MoeParams p;
+  std::mutex mu;
+  std::string error;
+};
+
+void run_job(void* ctx) noexcept {
+  auto* job = static_cast<HostJob*>(ctx);
+  try {
+    check_ready();
+    if (job->p.T > 0) hmoe::HMOE_ISA::run_moe(job->p);
+  } catch (const std::exception& e) {
+    const int64_t n = job->p.T * job->p.H;
+    if (job->p.x_dtype == hmoe::kF32) {
+      std::fill_n(static_cast<float*>(job->p.out), n, std::numeric_limits<float>::quiet_NaN());
+    } else {
+      std::fill_n(static_cast<uint16_t*>(job->p.out), n, uint16_t(0x7fff));  // NaN in bf16 and fp16 alike
+    }
+    std::lock_guard<std::mutex> lock(job->mu);
+    job->error = e.what();
+  }
+}
+
+HostJob* job_at(int64_t address) {
+  if (address == 0) throw std::invalid_argument("host job: null handle");
+  return reinterpret_cast<HostJob*>(address);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
@@ -55,16 +108,33 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   });
 
   HMOE_DEF(m, moe_experts_packed, {
-    if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("moe_experts_packed: bad sizes");
-    const hb::TensorArg a = hb::tensor(w13, "w13 (packed)", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
-    const hb::TensorArg b = hb::tensor(w2, "w2 (packed)", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
-    if (a.numel != E * hmoe::packed_w13_bytes(w_dtype, H, I) || b.numel != E * hmoe::packed_w2_bytes(w_dtype, H, I))
-      throw std::invalid_argument("moe_experts_packed: the packed weights do not match E, H, I and their dtype");
-    MoeParams p{};
-    hb::expert_tokens(x, topk_ids, topk_weights, H, p);
-    p.w13 = a.data, p.w2 = b.data, p.w_dtype = w_dtype, p.packed = 1, p.E = E, p.H = H, p.I = I;
+    const hb::TensorArg a = packed_arg(w13, "w13 (packed)"), b = packed_arg(w2, "w2 (packed)");
+    MoeParams p = packed_params(x, topk_ids, topk_weights, a, b, w_dtype, E, H, I);
     return run(p, out, a, b, num_threads);
   });
+
+  // The caller keeps every tensor alive and in place until host_job_free, and frees the job only
+  // when no enqueued run can still reach it.
+  HMOE_DEF(m, host_job_create, {
+    const hb::TensorArg a = packed_arg(w13, "w13 (packed)"), b = packed_arg(w2, "w2 (packed)");
+    auto job = std::make_unique<HostJob>();
+    job->p = packed_params(x, topk_ids, topk_weights, a, b, w_dtype, E, H, I);
+    hb::expert_output(out, a, b, job->p);
+    job->p.num_threads = num_threads;
+    check_ready();
+    void (*fn)(void*) = &run_job;
+    return py::make_tuple(reinterpret_cast<int64_t>(fn), reinterpret_cast<int64_t>(job.release()));
+  });
+
+  HMOE_DEF(m, host_job_error, {
+    HostJob* j = job_at(job);
+    std::lock_guard<std::mutex> lock(j->mu);
+    std::string error;
+    error.swap(j->error);
+    return error;
+  });
+
+  HMOE_DEF(m, host_job_free, { delete job_at(job); });
 
   HMOE_DEF(m, packed_bytes,
            { return py::make_tuple(hmoe::packed_w13_bytes(w_dtype, H, I), hmoe::packed_w2_bytes(w_dtype, H, I)); });

@@ -24,6 +24,11 @@
 #define HMOE_ARGS_moe_experts_packed                                                                              \
   (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_dtype), (i64, E), \
       (i64, H), (i64, I), (tensor_or_none, out), (i32, num_threads)
+#define HMOE_ARGS_host_job_create                                                                                 \
+  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_dtype), (i64, E), \
+      (i64, H), (i64, I), (tensor, out), (i32, num_threads)
+#define HMOE_ARGS_host_job_error (i64, job)
+#define HMOE_ARGS_host_job_free HMOE_ARGS_host_job_error
 #define HMOE_ARGS_pack_weights (tensor, w13), (tensor, w2), (i32, num_threads)
 #define HMOE_ARGS_packed_bytes (i32, w_dtype), (i64, H), (i64, I)
 #define HMOE_ARGS_prewarm (i32, device)
@@ -43,6 +48,9 @@
   X(cpu_core, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                            \
   X(experts, experts, moe_experts, "out", HMOE_ARGS_moe_experts)                                               \
   X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                                 \
+  X(experts, experts, host_job_create, "(run_fn, job)", HMOE_ARGS_host_job_create)                             \
+  X(experts, experts, host_job_error, "str", HMOE_ARGS_host_job_error)                                         \
+  X(experts, experts, host_job_free, "None", HMOE_ARGS_host_job_free)                                          \
   X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                         \
   X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)     \
   X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                            \

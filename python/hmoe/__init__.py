@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "build_info": ("hmoe._build_info", "build_info"),
-    "CPUExperts": ("hmoe.nn", "CPUExperts"),
+    "CPUExperts": ("hmoe.nn.experts", "CPUExperts"),
+    "nn": ("hmoe.nn", None),
     "set_num_threads": ("hmoe._threads", "set_num_threads"),
     "get_num_threads": ("hmoe._threads", "get_num_threads"),
     "ops": ("hmoe.ops", None),

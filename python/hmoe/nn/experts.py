@@ -1,9 +1,9 @@
 """hmoe.CPUExperts: routed experts with weights prepacked once for the selected CPU ISA."""
 from __future__ import annotations
 
-from ._dtypes import code
-from ._threads import get_num_threads
-from .ops import experts as _experts
+from .._dtypes import code
+from .._threads import get_num_threads
+from ..ops import experts as _experts
 
 
 class CPUExperts:

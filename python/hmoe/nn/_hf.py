@@ -1,0 +1,282 @@
+"""transformers' DeepSeek MoE blocks read into HybridMoE arguments, and patch_model."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+
+import torch
+
+
+def _is_linear_mlp(m) -> bool:
+    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def is_moe_block(module) -> bool:
+    """A DeepSeek-V2/V3 MoE block of transformers or of the remote-code checkpoints: a router `gate` with a
+    weight [E, H] and routed `experts` (fused gate_up_proj / down_proj, or a list of MLPs)."""
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    if not isinstance(getattr(gate, "weight", None), torch.Tensor) or experts is None:
+        return False
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return True
+    return isinstance(experts, torch.nn.ModuleList) and len(experts) > 0 and all(
+        e is None or _is_linear_mlp(e) for e in experts)
+
+
+def _act_name(module, experts) -> str | None:
+    cfg = getattr(module, "config", None) or getattr(experts, "config", None)
+    return getattr(cfg, "hidden_act", None)
+
+
+def expert_weights(experts):
+    """(w13 [E, 2I, H], w2 [E, H, I]) of a fused or per-expert experts module, on their own device."""
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        if getattr(experts, "has_bias", False):
+            raise ValueError("HybridMoE: experts with biases are not supported (DeepSeek's have none)")
+        if getattr(experts, "has_gate", True) is False:
+            raise ValueError("HybridMoE: experts without a gate projection are not supported")
+        w13, w2 = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        if getattr(experts, "is_transposed", False):  # [E, H, 2I] and [E, I, H]
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        if getattr(experts, "is_concatenated", True) is False:  # interleaved gate/up rows
+            w13 = torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1)
+        return w13, w2
+    if any(e is None for e in experts):
+        raise ValueError("HybridMoE: this block holds only some of its experts (expert-parallel shard); load the "
+                         "model with all experts in one process")
+    w13 = torch.stack([torch.cat([e.gate_proj.weight.detach(), e.up_proj.weight.detach()]) for e in experts])
+    w2 = torch.stack([e.down_proj.weight.detach() for e in experts])
+    for e in experts:
+        if e.gate_proj.bias is not None or e.up_proj.bias is not None or e.down_proj.bias is not None:
+            raise ValueError("HybridMoE: experts with biases are not supported (DeepSeek's have none)")
+    return w13, w2
+
+
+def router_options(gate) -> dict:
+    """grouped_topk's options for a DeepSeek router: transformers' DeepseekV2TopkRouter (softmax,
+    greedy or group-limited by the group's best score, no renormalisation), DeepseekV3TopkRouter
+    (sigmoid + e_score_correction_bias, groups by their two best, norm_topk_prob) or the remote-code
+    MoEGate (scoring_func, topk_method, n_group, norm_topk_prob)."""
+    top_k = int(getattr(gate, "top_k"))
+    remote = hasattr(gate, "scoring_func")
+    scoring = gate.scoring_func if remote else (
+        "sigmoid" if isinstance(getattr(gate, "e_score_correction_bias", None), torch.Tensor) else "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"HybridMoE: router scoring {scoring!r} is not supported (softmax or sigmoid)")
+    method = getattr(gate, "topk_method", None)
+    n_group = getattr(gate, "num_group", None) or getattr(gate, "n_group", None) or 1
+    topk_group = getattr(gate, "topk_group", None) or 1
+    if method == "greedy" or method is None and scoring == "softmax" and n_group == 1:
+        n_group = topk_group = 1
+    elif method not in (None, "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"HybridMoE: router topk_method {method!r} is not supported")
+    bias = getattr(gate, "e_score_correction_bias", None) if scoring == "sigmoid" else None
+    scale = float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0)
+    if scoring == "sigmoid":
+        renormalize = bool(getattr(gate, "norm_topk_prob", False))
+    elif remote:  # DeepSeek-V2's own code: normalised weights (top_k > 1) are not scaled
+        renormalize = bool(getattr(gate, "norm_topk_prob", False)) and top_k > 1
+        if renormalize:
+            scale = 1.0
+    else:  # transformers' DeepseekV2TopkRouter never renormalises
+        renormalize = False
+    return dict(top_k=top_k, n_group=int(n_group), topk_group=int(topk_group), scoring=scoring,
+                e_score_correction_bias=bias, renormalize=renormalize, routed_scaling_factor=scale)
+
+
+def block_arguments(module) -> dict:
+    """HybridMoE's arguments (without the placement options) for a DeepSeek MoE block."""
+    if not is_moe_block(module):
+        raise TypeError(f"HybridMoE.from_hf: {type(module).__name__} is not a DeepSeek-V2/V3 MoE block (a module "
+                        "with a router `gate` and routed `experts`)")
+    act = _act_name(module, module.experts)
+    if act not in (None, "silu", "swish"):
+        raise ValueError(f"HybridMoE.from_hf: the experts use {act!r}; hmoe's experts compute silu(gate) * up")
+    w13, w2 = expert_weights(module.experts)
+    return dict(gate_weight=module.gate.weight.detach(), w13=w13, w2=w2,
+                shared_experts=getattr(module, "shared_experts", None), **router_options(module.gate))
+
+
+@dataclasses.dataclass
+class BlockReport:
+    name: str
+    experts: int
+    gpu_experts: list
+    dtype: torch.dtype
+    moved_from: str
+    packed_bytes: int
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What hmoe.nn.patch_model did; str() is the human-readable summary."""
+    blocks: list
+    already_patched: int
+    isa: str | None
+    device: str
+    freed_bytes: int
+
+    @property
+    def swapped(self) -> int:
+        return len(self.blocks)
+
+    def __str__(self) -> str:
+        if not self.blocks:
+            return (f"hmoe.nn.patch_model: nothing to do: the model's {self.already_patched} MoE blocks are already "
+                    "HybridMoE")
+        gb = 1 << 30
+        packed = sum(b.packed_bytes for b in self.blocks)
+        n_gpu = sum(len(b.gpu_experts) for b in self.blocks)
+        n_all = sum(b.experts for b in self.blocks)
+        dtypes = sorted({str(b.dtype).replace("torch.", "") for b in self.blocks})
+        lines = [f"hmoe.nn.patch_model: swapped {self.swapped} MoE blocks for HybridMoE"
+                 + (f" ({self.already_patched} were already)" if self.already_patched else ""),
+                 f"  router, shared experts: stay on {self.device}",
+                 f"  routed experts: {n_all - n_gpu} of {n_all} on the CPU ({packed / gb:.2f} GiB packed, "
+                 f"{', '.join(dtypes)}, isa {self.isa}), {n_gpu} kept on {self.device}",
+                 f"  moved out of {', '.join(sorted({b.moved_from for b in self.blocks}))}: "
+                 f"{self.freed_bytes / gb:.2f} GiB of routed expert weights freed there"]
+        return "\n".join(lines)
+
+
+def _count_routing(model, blocks, calibration):
+    """Routing counts per block from one forward of the original model on `calibration`."""
+    from .. import ops
+
+    counts, hooks = {}, []
+    for name, block in blocks:
+        opts = router_options(block.gate)
+        E = block.gate.weight.shape[0]
+        counts[name] = torch.zeros(E, dtype=torch.int64)
+
+        def hook(mod, args, name=name, opts=opts):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            logits = torch.nn.functional.linear(x.float(), mod.gate.weight.float())
+            _, ids = ops.grouped_topk(logits, opts["top_k"], n_group=opts["n_group"], topk_group=opts["topk_group"],
+                                      scoring=opts["scoring"], bias=opts["e_score_correction_bias"],
+                                      renormalize=opts["renormalize"],
+                                      routed_scaling_factor=opts["routed_scaling_factor"])
+            counts[name] += torch.bincount(ids.flatten().long().cpu(), minlength=counts[name].numel())
+
+        hooks.append(block.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            if isinstance(calibration, dict):
+                model(**calibration)
+            else:
+                model(calibration)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def _progress(iterable, total: int, enabled: bool):
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc="hmoe: packing MoE blocks", unit="block", file=sys.stderr)
+
+
+def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = None,
+                progress: bool = True) -> PatchReport:
+    """Swaps every DeepSeek-V2/V3 MoE block of `model` for a HybridMoE in place (router and shared
+    experts stay where they are; routed expert weights go to host memory, packed for this CPU, and
+    their copies on the model's device are freed). Returns a PatchReport (print it).
+
+    gpu_experts: per block, expert ids to keep on the device, or a count chosen from routing
+    statistics: the busiest experts of one forward of the original model on `calibration` (input
+    ids, or a dict of model inputs). isa forces a CPU ISA level (see hmoe.compat).
+    A model without MoE blocks is a ValueError; a model patched before gives a report saying so.
+    """
+    from .hybrid import HybridMoE
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"hmoe.nn.patch_model: expected a torch.nn.Module, got {type(model).__name__}")
+    blocks = [(n, m) for n, m in model.named_modules() if is_moe_block(m) and not isinstance(m, HybridMoE)]
+    done = sum(isinstance(m, HybridMoE) for m in model.modules())
+    if not blocks:
+        if done:
+            warnings.warn(f"hmoe.nn.patch_model: the model was patched before ({done} HybridMoE blocks); nothing "
+                          "to do", stacklevel=2)
+            return PatchReport([], done, None, "-", 0)
+        raise ValueError(f"hmoe.nn.patch_model: {type(model).__name__} has no DeepSeek-V2/V3 MoE block (a module with "
+                         "a router `gate` and routed `experts`); nothing to patch")
+    counts = {}
+    if isinstance(gpu_experts, int) and not isinstance(gpu_experts, bool) and gpu_experts > 0:
+        if calibration is None:
+            raise ValueError("hmoe.nn.patch_model: gpu_experts as a count is chosen from routing statistics: pass "
+                             "calibration= (input ids or a dict of model inputs), or give expert ids")
+        counts = _count_routing(model, blocks, calibration)
+    reports, freed, isa_name, device = [], 0, None, "-"
+    for name, block in _progress(blocks, len(blocks), progress):
+        w13, w2 = expert_weights(block.experts)
+        moved_from, dtype, E = str(w13.device), w13.dtype, w13.shape[0]
+        hybrid = HybridMoE.from_hf(block, gpu_experts=gpu_experts, routing_counts=counts.get(name), isa=isa)
+        device, isa_name = str(hybrid.gate_weight.device), hybrid.experts.isa
+        _set_submodule(model, name, hybrid)
+        freed += _free_routed(block.experts)
+        del w13, w2
+        reports.append(BlockReport(name, E, hybrid.gpu_ids.tolist(), dtype, moved_from, hybrid.experts.packed_bytes))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return PatchReport(reports, done, isa_name, device, freed)
+
+
+def _set_submodule(model, name: str, module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _free_routed(experts) -> int:
+    """Empties the original routed expert parameters (whoever still holds the old block sees empty
+    tensors, and the memory is released); returns the bytes freed."""
+    freed = 0
+    for p in list(experts.parameters()):
+        freed += p.numel() * p.element_size()
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return freed
+
+
+# --- transformers' experts mechanism ---------------------------------------------------------------------
+
+EXPERTS_IMPLEMENTATION = "hmoe"
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts forward (ExpertsInterface) for experts whose weights are in host memory:
+    packs them once into a CPUExperts kept on the module (packed again if the weights change) and runs
+    it. Hidden states may be on any device; the result has their dtype and device."""
+    from .experts import CPUExperts
+
+    w = self.gate_up_proj
+    if w.device.type != "cpu":
+        raise ValueError(f"experts_implementation='{EXPERTS_IMPLEMENTATION}' runs experts whose weights are in host "
+                         f"memory; these are on {w.device}. Keep them on the CPU (e.g. device_map) or use "
+                         "hmoe.nn.patch_model, which moves them")
+    key = (w.data_ptr(), w._version, self.down_proj.data_ptr(), self.down_proj._version)
+    cached = getattr(self, "_hmoe_experts", None)
+    if cached is None or cached[0] != key:
+        w13, w2 = expert_weights(self)
+        cached = (key, CPUExperts(w13.contiguous(), w2.contiguous()))
+        object.__setattr__(self, "_hmoe_experts", cached)  # not a submodule, not in the state dict
+    x = hidden_states.to("cpu")
+    out = cached[1](x, top_k_index.to("cpu"), top_k_weights.to("cpu", torch.float32))
+    return out.to(hidden_states.device)
+
+
+def register_experts_implementation() -> str:
+    """Registers hmoe in transformers' ExpertsInterface; then `experts_implementation="hmoe"` in
+    from_pretrained, or model.set_experts_implementation("hmoe"), runs a model's experts (weights on
+    the CPU) through hmoe. Returns the name. Safe to call more than once."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as e:
+        raise ImportError("hmoe.nn.register_experts_implementation needs transformers >= 5 (with "
+                          f"transformers.integrations.moe.ExpertsInterface): {e}") from None
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
+    return EXPERTS_IMPLEMENTATION

@@ -1,0 +1,235 @@
+"""hmoe.nn.HybridMoE: the DeepSeek-V2/V3 MoE block with its routed experts on the CPU."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .experts import CPUExperts
+
+_SCORINGS = ("softmax", "sigmoid")
+
+
+class HybridMoE(torch.nn.Module):
+    """HybridMoE(gate_weight, w13, w2, *, top_k, ...)(hidden_states) -> tensor of hidden_states' shape and dtype.
+
+    The MoE block of DeepSeek-V2/V3: router logits in fp32 (gate_weight [E, H], on the module's
+    device) and group-limited top-k through hmoe.ops.grouped_topk (on the GPU when the hidden states
+    are there), routed experts on the CPU through CPUExperts (w13 [E, 2I, H], w2 [E, H, I], packed
+    once into host memory in their own dtype), shared experts (any module, e.g. the model's own MLP)
+    where the hidden states are, and output = routed + shared in the input's dtype. The activation
+    dtype is never assumed: fp32, fp16 and bf16 hidden states go to the experts as they are and the
+    routed sum is rounded once to their dtype (hmoe.ops.experts' precision contract).
+
+    Router options, as hmoe.ops.grouped_topk: top_k, n_group, topk_group, scoring ("softmax" for
+    V2, "sigmoid" for V3), e_score_correction_bias (V3), renormalize (V3's norm_topk_prob),
+    routed_scaling_factor. Building one from a transformers block: HybridMoE.from_hf.
+
+    On a GPU the CPU work is enqueued on a side stream (copies into pinned buffers, a host function
+    that runs the experts, the copy back) while the shared experts and GPU-resident experts run on
+    the current stream, so the two overlap; the same sequence can be captured in a CUDA graph after
+    one eager call with the same number of tokens (replay runs the experts on the CPU with the
+    routing of the step being replayed). A failure inside a host function (it cannot raise) leaves
+    NaN in that step's output and is raised by the next forward or by check().
+
+    gpu_experts: expert ids to keep on the hidden states' device (computed there with torch, in
+    the input's dtype), or a count n: the n experts most often routed to according to
+    routing_counts ([E], e.g. from a calibration run; see hmoe.nn.patch_model). The CPU computes
+    only the others. Each call adds its routing to the buffer `routing_counts`.
+    """
+
+    def __init__(self, gate_weight, w13, w2, *, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 scoring: str = "softmax", e_score_correction_bias=None, renormalize: bool = False,
+                 routed_scaling_factor: float = 1.0, shared_experts: torch.nn.Module | None = None,
+                 gpu_experts=None, routing_counts=None, isa: str | None = None):
+        super().__init__()
+        for name, t, ndim in (("gate_weight", gate_weight, 2), ("w13", w13, 3), ("w2", w2, 3)):
+            if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+                raise TypeError(f"HybridMoE: {name} must be a {ndim}-d torch tensor, got "
+                                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        E, H = gate_weight.shape
+        if tuple(w13.shape[::2]) != (E, H) or w13.shape[1] % 2 or tuple(w2.shape[:2]) != (E, H) \
+                or w2.shape[2] * 2 != w13.shape[1]:
+            raise ValueError(f"HybridMoE: shapes do not fit together: gate_weight {tuple(gate_weight.shape)} = "
+                             f"[E, H], w13 {tuple(w13.shape)} = [E, 2I, H], w2 {tuple(w2.shape)} = [E, H, I]")
+        if scoring not in _SCORINGS:
+            raise ValueError(f"HybridMoE: scoring must be one of {_SCORINGS}, got {scoring!r}")
+        if not 1 <= top_k <= E:
+            raise ValueError(f"HybridMoE: top_k = {top_k} must be in [1, E = {E}]")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, w2.shape[2]
+        self.top_k, self.n_group, self.topk_group, self.scoring = int(top_k), int(n_group), int(topk_group), scoring
+        self.renormalize, self.routed_scaling_factor = bool(renormalize), float(routed_scaling_factor)
+        dev = gate_weight.device
+        self.register_buffer("gate_weight", gate_weight.detach())
+        bias = None if e_score_correction_bias is None else e_score_correction_bias.detach().float().to(dev)
+        self.register_buffer("e_score_correction_bias", bias)
+        self.register_buffer("routing_counts", torch.zeros(E, dtype=torch.int64, device=dev))
+        self.shared_experts = shared_experts
+
+        gpu = _resolve_gpu_experts(gpu_experts, routing_counts, E)
+        cpu = [e for e in range(E) if e not in set(gpu)]
+        if not cpu:
+            raise ValueError(f"HybridMoE: gpu_experts keeps all {E} experts on the GPU; leave at least one on the "
+                             "CPU (or use the model's own MoE block)")
+        index = torch.full((E,), -1, dtype=torch.int32)
+        index[cpu] = torch.arange(len(cpu), dtype=torch.int32)
+        self.register_buffer("cpu_index", index.to(dev))
+        self.register_buffer("gpu_ids", torch.tensor(gpu, dtype=torch.int32, device=dev))
+        with torch.no_grad():
+            sel = torch.tensor(gpu, dtype=torch.long, device=w13.device)
+            self.register_buffer("gpu_w13", w13.detach().index_select(0, sel).to(dev) if gpu else None)
+            self.register_buffer("gpu_w2", w2.detach().index_select(0, sel.to(w2.device)).to(dev) if gpu else None)
+            c13, c2 = w13.detach().to("cpu"), w2.detach().to("cpu")
+            if gpu:
+                c13, c2 = c13[cpu], c2[cpu]
+            self.experts = CPUExperts(c13.contiguous(), c2.contiguous(), isa=isa)
+        self._jobs: dict = {}
+        self._side: dict = {}
+
+    # --- construction from transformers ---------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, module, **options) -> HybridMoE:
+        """A HybridMoE computing what a DeepSeek-V2/V3 MoE block of transformers computes:
+        DeepseekV2Moe / DeepseekV3MoE (transformers 5: fused gate_up_proj [E, 2I, H] and down_proj
+        [E, H, I]) or the remote-code DeepseekMoE (experts as a list of MLPs with nn.Linear
+        gate_proj / up_proj / down_proj). The router weight and shared experts are taken over (same
+        objects, same device); the routed weights are copied to host memory and packed. `options`:
+        gpu_experts, routing_counts, isa (see the class)."""
+        from . import _hf
+
+        return cls(**_hf.block_arguments(module), **options)
+
+    # --- forward ---------------------------------------------------------------------------------------
+
+    def route(self, x):
+        """(weights fp32 [T, top_k], ids int32 [T, top_k]) for x [T, H], on x's device."""
+        from .. import ops
+
+        logits = F.linear(x.float(), self.gate_weight.float())
+        return ops.grouped_topk(logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+                                scoring=self.scoring, bias=self.e_score_correction_bias,
+                                renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
+
+    def forward(self, hidden_states):
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"HybridMoE: hidden_states has shape {tuple(hidden_states.shape)}, expected [..., "
+                             f"{self.hidden_size}]")
+        if hidden_states.device != self.gate_weight.device:
+            raise ValueError(f"HybridMoE: hidden_states are on {hidden_states.device}, the router on "
+                             f"{self.gate_weight.device}: move the module with .to()")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        weights, ids = self.route(x)
+        self.routing_counts.index_add_(0, ids.flatten().long(), torch.ones_like(ids.flatten(), dtype=torch.int64))
+        cpu_ids, cpu_w = self._cpu_routing(ids, weights)
+        if x.is_cuda and not torch.compiler.is_compiling():
+            routed, shared = self._forward_cuda(x, hidden_states, ids, weights, cpu_ids, cpu_w)
+        else:
+            routed = self._experts_sync(x, cpu_ids, cpu_w)
+            if self.gpu_w13 is not None:
+                routed = routed + self._gpu_routed(x, ids, weights)
+            shared = None if self.shared_experts is None else self.shared_experts(hidden_states)
+        out = routed.view(hidden_states.shape)
+        return out if shared is None else out + shared
+
+    def _cpu_routing(self, ids, weights):
+        """ids in the CPU experts' numbering (int32) and their weights: a slot of a GPU-resident expert
+        points at a CPU expert the token already uses (or the first one) with weight 0, which costs no
+        extra weight traffic."""
+        if self.gpu_w13 is None:
+            return ids, weights
+        cid = self.cpu_index[ids.long()]
+        on_cpu = cid >= 0
+        big = torch.iinfo(torch.int32).max
+        fill = torch.where(on_cpu, cid, big).amin(dim=1, keepdim=True)
+        fill = torch.where(fill == big, 0, fill)
+        return torch.where(on_cpu, cid, fill).to(torch.int32), torch.where(on_cpu, weights, 0.0)
+
+    def _gpu_routed(self, x, ids, weights):
+        """The GPU-resident experts' part of the routed sum, dense over those experts (no data-dependent
+        shapes, so it can be captured), in x's dtype."""
+        wg = (weights.unsqueeze(-1) * (ids.unsqueeze(-1) == self.gpu_ids)).sum(1)  # [T, G] fp32
+        gu = torch.einsum("th,gih->tgi", x, self.gpu_w13.to(x.dtype))
+        g, u = gu.chunk(2, dim=-1)
+        y = torch.einsum("tgi,ghi->tgh", F.silu(g) * u, self.gpu_w2.to(x.dtype))
+        return (y.float() * wg.unsqueeze(-1)).sum(1).to(x.dtype)
+
+    def _experts_sync(self, x, ids, weights):
+        if torch.compiler.is_compiling():
+            from ..ops import library
+
+            out = library.cpu_experts_op(self.experts, x.to("cpu"), ids.to("cpu"), weights.to("cpu"))
+        else:
+            out = self.experts(x.to("cpu"), ids.to("cpu"), weights.to("cpu"))
+        return out.to(x.device)
+
+    def _forward_cuda(self, x, hidden_states, ids, weights, cpu_ids, cpu_w):
+        self.check()
+        main = torch.cuda.current_stream(x.device)
+        side = self._side.get(x.device)
+        if side is None:
+            side = self._side[x.device] = torch.cuda.Stream(x.device)
+        job = self._job(x.shape[0], x.dtype, x.device)
+        routed = torch.empty_like(x)
+        side.wait_stream(main)
+        job.launch(x, cpu_ids, cpu_w, routed, side)
+        shared = None if self.shared_experts is None else self.shared_experts(hidden_states)
+        gpu = None if self.gpu_w13 is None else self._gpu_routed(x, ids, weights)
+        main.wait_stream(side)
+        return (routed if gpu is None else routed + gpu), shared
+
+    def _job(self, tokens: int, dtype, device):
+        from . import _staging
+
+        key = (tokens, dtype, device)
+        job = self._jobs.get(key)
+        if job is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"HybridMoE: first call with {tokens} tokens of {dtype} inside CUDA graph capture; "
+                                   "run one eager step with the same batch before capturing (warm-up), so that its "
+                                   "pinned buffers exist")
+            if len(self._jobs) >= 64:  # many prompt lengths: drop the eager buffers (waits for queued runs)
+                self._jobs.clear()
+            job = self._jobs[key] = _staging.HostJob(self.experts, torch, tokens, self.top_k, dtype, device)
+        return job
+
+    def check(self) -> None:
+        """Raises RuntimeError if a host-function run of the CPU experts failed since the last check
+        (that step's routed output was NaN). Synchronise the stream first to see the latest step."""
+        for job in self._jobs.values():
+            err = job.error()
+            if err:
+                raise RuntimeError(f"HybridMoE: the CPU experts failed in an earlier step (its output was NaN): {err}")
+
+    def extra_repr(self) -> str:
+        G = 0 if self.gpu_w13 is None else self.gpu_w13.shape[0]
+        return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, top_k={self.top_k}, "
+                f"groups={self.n_group}/{self.topk_group}, scoring={self.scoring}, cpu={self.experts!r}, "
+                f"gpu_experts={G}")
+
+
+def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
+    if gpu_experts is None:
+        return []
+    if isinstance(gpu_experts, bool):
+        raise TypeError("HybridMoE: gpu_experts must be a list of expert ids or a count, not a bool")
+    if isinstance(gpu_experts, int):
+        n = gpu_experts
+        if not 0 <= n < E:
+            raise ValueError(f"HybridMoE: gpu_experts = {n} must be in [0, {E}) (at least one expert on the CPU)")
+        if n == 0:
+            return []
+        if routing_counts is None:
+            raise ValueError("HybridMoE: gpu_experts as a count needs routing statistics: pass routing_counts ([E], "
+                             "e.g. HybridMoE.routing_counts after some tokens), or use hmoe.nn.patch_model(..., "
+                             "calibration=...), or give the expert ids")
+        counts = torch.as_tensor(routing_counts).flatten().to("cpu", torch.float64)
+        if counts.numel() != E:
+            raise ValueError(f"HybridMoE: routing_counts has {counts.numel()} entries, expected E = {E}")
+        if not counts.gt(0).any():
+            raise ValueError("HybridMoE: routing_counts is all zero: no routing statistics to choose from")
+        return sorted(torch.argsort(counts, descending=True, stable=True)[:n].tolist())
+    ids = [int(e) for e in gpu_experts]
+    bad = [e for e in ids if not 0 <= e < E]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(f"HybridMoE: gpu_experts {ids} must be distinct expert ids in [0, {E})")
+    return sorted(ids)

@@ -1,0 +1,235 @@
+"""hmoe.nn.HybridMoE and patch_model on transformers' own DeepSeek-V2/V3 models (CPU)."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hmoe.nn as hn
+from hmoe import _reference
+
+from . import models
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(ids).logits.float()
+
+
+def _rel(a, b):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_patched_logits_match_the_original(kind, dtype):
+    m = models.model(kind, dtype)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref = _logits(m, ids)
+    report = hn.patch_model(m, progress=False)
+    assert report.swapped == 2 and all(isinstance(b, hn.HybridMoE) for b in _moe(m))
+    assert not models.moe_blocks(m)
+    got = _logits(m, ids)
+    assert _rel(got, ref) <= _reference.tolerance("hybrid_model_logits", dtype)
+
+
+def _moe(m):
+    return [mod for mod in m.modules() if isinstance(mod, hn.HybridMoE)]
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+def test_greedy_generation_is_identical_in_fp32(kind):
+    m = models.model(kind)
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
+    with torch.no_grad():
+        want = m.generate(prompt, **kw)
+        hn.patch_model(m, progress=False)
+        got = m.generate(prompt, **kw)
+    assert got.shape == (1, 26) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_every_block_returns_its_input_dtype_and_fp16_never_meets_bf16(dtype, monkeypatch):
+    m = models.model("v3", dtype)
+    hn.patch_model(m, progress=False)
+    seen = []
+
+    def record(mod, args, out):
+        for t in list(args) + [out]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                seen.append((type(mod).__name__, t.dtype))
+
+    hooks = [mod.register_forward_hook(record) for mod in m.modules()]
+    calls = []
+    real = hn.CPUExperts.__call__
+
+    def spy(self, x, ids, w, out=None):
+        y = real(self, x, ids, w, out)
+        calls.append((x.dtype, self.dtype, y.dtype))
+        return y
+
+    monkeypatch.setattr(hn.CPUExperts, "__call__", spy)
+    _logits(m, torch.randint(0, 128, (1, 5)))
+    for h in hooks:
+        h.remove()
+    blocks = [(n, d) for n, d in seen if n == "HybridMoE"]
+    assert blocks and all(d == dtype for _, d in blocks)
+    assert calls and all(c == (dtype, dtype, dtype) for c in calls), calls
+    if dtype == torch.float16:
+        assert all(d != torch.bfloat16 for _, d in seen)
+
+
+def test_gpu_experts_by_id_and_by_count_give_the_same_output():
+    m = models.model("v3")
+    block = models.moe_blocks(m)[0]
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        want = block(x)
+        full = hn.HybridMoE.from_hf(block)(x)
+        some = hn.HybridMoE.from_hf(block, gpu_experts=[0, 3, 15])
+        got = some(x)
+        counts = full_counts = hn.HybridMoE.from_hf(block)
+        full_counts(x)
+        by_count = hn.HybridMoE.from_hf(block, gpu_experts=4, routing_counts=counts.routing_counts)
+        got_count = by_count(x)
+    assert some.gpu_ids.tolist() == [0, 3, 15] and some.experts.num_experts == 13
+    busiest = torch.argsort(counts.routing_counts, descending=True, stable=True)[:4].sort().values
+    assert by_count.gpu_ids.tolist() == busiest.tolist()
+    tol = 4 * _reference.unit_roundoff(torch.float32)
+    for y in (full, got, got_count):
+        assert _rel(y, want) <= tol
+    assert int(full_counts.routing_counts.sum()) == 14 * 4
+
+
+def test_patch_with_a_count_uses_calibration():
+    m = models.model("v2")
+    ids = torch.randint(0, 128, (2, 16))
+    ref = _logits(m, ids)
+    with pytest.raises(ValueError, match="calibration="):
+        hn.patch_model(copy.deepcopy(m), gpu_experts=2, progress=False)
+    report = hn.patch_model(m, gpu_experts=2, calibration=ids, progress=False)
+    assert all(len(b.gpu_experts) == 2 for b in report.blocks)
+    assert "2 kept on" not in str(report) and "4 kept on cpu" in str(report)
+    assert _rel(_logits(m, ids), ref) <= _reference.tolerance("hybrid_model_logits", torch.float32)
+
+
+class _RemoteMLP(torch.nn.Module):
+    def __init__(self, H, inter):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(H, inter, bias=False)
+        self.up_proj = torch.nn.Linear(H, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _RemoteGate(torch.nn.Module):
+    """The attributes of DeepSeek-V3's remote-code MoEGate (noaux_tc routing)."""
+
+    def __init__(self, E, H):
+        super().__init__()
+        self.top_k, self.n_routed_experts, self.routed_scaling_factor = 3, E, 2.0
+        self.scoring_func, self.topk_method, self.n_group, self.topk_group = "sigmoid", "noaux_tc", 4, 2
+        self.norm_topk_prob = True
+        self.weight = torch.nn.Parameter(torch.randn(E, H) * 0.2)
+        self.e_score_correction_bias = torch.nn.Parameter(torch.randn(E) * 0.1)
+
+
+class _RemoteMoE(torch.nn.Module):
+    def __init__(self, E=8, H=32, inter=16):
+        super().__init__()
+        self.gate = _RemoteGate(E, H)
+        self.experts = torch.nn.ModuleList(_RemoteMLP(H, inter) for _ in range(E))
+        self.shared_experts = _RemoteMLP(H, inter)
+
+    def forward(self, x):
+        """DeepSeek-V3's routing and expert sum, written out in fp32."""
+        h = x.reshape(-1, x.shape[-1])
+        scores = torch.nn.functional.linear(h, self.gate.weight).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias
+        groups = choice.view(h.shape[0], 4, -1).topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(2, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.repeat_interleave(choice.shape[1] // 4, 1).bool(), float("-inf"))
+        idx = choice.topk(3, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * 2.0
+        y = torch.stack([sum(w[t, k] * self.experts[int(idx[t, k])](h[t]) for k in range(3))
+                         for t in range(h.shape[0])])
+        return y.view(x.shape) + self.shared_experts(x)
+
+
+def test_from_hf_reads_the_remote_code_layout():
+    torch.manual_seed(3)
+    block = _RemoteMoE()
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want, got = block(x), hn.HybridMoE.from_hf(block)(x)
+    assert _rel(got, want) <= 4 * _reference.unit_roundoff(torch.float32)
+
+
+def test_patch_model_errors_and_second_patch():
+    with pytest.raises(ValueError, match="has no DeepSeek-V2/V3 MoE block"):
+        hn.patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        hn.patch_model("model")
+    m = models.model("v3")
+    first = hn.patch_model(m, progress=False)
+    assert "swapped 2 MoE blocks" in str(first) and "routed experts: 32 of 32 on the CPU" in str(first)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        second = hn.patch_model(m, progress=False)
+    assert second.swapped == 0 and "already HybridMoE" in str(second) and w
+    with pytest.raises(TypeError, match="not a DeepSeek-V2/V3 MoE block"):
+        hn.HybridMoE.from_hf(torch.nn.Linear(2, 2))
+
+
+def test_patch_frees_the_original_routed_weights():
+    m = models.model("v3")
+    old = models.moe_blocks(m)
+    report = hn.patch_model(m, progress=False)
+    assert all(p.numel() == 0 for b in old for p in b.experts.parameters())
+    assert report.freed_bytes == 2 * (16 * 2 * 32 * 64 + 16 * 64 * 32) * 4
+
+
+def test_constructor_errors():
+    E, H, inter = 8, 16, 8
+    g, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * inter, H), torch.randn(E, H, inter)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        hn.HybridMoE(g, w13, torch.randn(E, H, inter + 1), top_k=2)
+    with pytest.raises(ValueError, match="top_k"):
+        hn.HybridMoE(g, w13, w2, top_k=9)
+    with pytest.raises(ValueError, match="scoring"):
+        hn.HybridMoE(g, w13, w2, top_k=2, scoring="tanh")
+    with pytest.raises(ValueError, match="leave at least one on the CPU"):
+        hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=list(range(E)))
+    with pytest.raises(ValueError, match="distinct expert ids"):
+        hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=[1, 1])
+    with pytest.raises(ValueError, match="routing statistics"):
+        hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=2)
+    with pytest.raises(TypeError, match="3-d torch tensor"):
+        hn.HybridMoE(g, w13[0], w2, top_k=2)
+    moe = hn.HybridMoE(g, w13, w2, top_k=2)
+    with pytest.raises(ValueError, match=r"expected \[..., 16\]"):
+        moe(torch.randn(3, 17))
+
+
+def test_experts_implementation_hmoe_in_transformers():
+    name = hn.register_experts_implementation()
+    m = models.model("v3")
+    ids = torch.randint(0, 128, (2, 9))
+    ref = _logits(m, ids)
+    m.set_experts_implementation(name)
+    assert m.config._experts_implementation == "hmoe"
+    got = _logits(m, ids)
+    assert _rel(got, ref) <= _reference.tolerance("hybrid_model_logits", torch.float32)
+    block = models.moe_blocks(m)[0]
+    assert isinstance(block.experts._hmoe_experts[1], hn.CPUExperts)
+    with torch.no_grad():  # new weights are packed again
+        block.experts.down_proj.mul_(2)
+    _logits(m, ids)
+    assert block.experts._hmoe_experts[0][3] == block.experts.down_proj._version
