@@ -233,3 +233,17 @@ def test_experts_implementation_hmoe_in_transformers():
         block.experts.down_proj.mul_(2)
     _logits(m, ids)
     assert block.experts._hmoe_experts[0][3] == block.experts.down_proj._version
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+def test_static_cache_decoder_matches_generate(kind):
+    """GraphDecoder's static cache and explicit masks, run eagerly (capture=False) on the CPU."""
+    m = models.model(kind)
+    hn.patch_model(m, progress=False)
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = m.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = hn.GraphDecoder(m, batch_size=2, max_cache_len=32, capture=False).generate(prompt, 8)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        hn.GraphDecoder(m, batch_size=2, max_cache_len=32)

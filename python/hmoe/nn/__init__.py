@@ -1,11 +1,13 @@
 """hmoe.nn: modules for models. CPUExperts (routed experts prepacked for this CPU), HybridMoE (the
 DeepSeek-V2/V3 MoE block with its routed experts on the CPU), patch_model (swaps the MoE blocks of a
 loaded transformers model), register_experts_implementation (experts_implementation="hmoe" in
-transformers). Importing it imports torch, not transformers."""
+transformers), GraphDecoder (greedy decoding with each step replayed from a CUDA graph).
+Importing it imports torch, not transformers."""
 from __future__ import annotations
 
 from ._hf import PatchReport, patch_model, register_experts_implementation
+from .decode import GraphDecoder
 from .experts import CPUExperts
 from .hybrid import HybridMoE
 
-__all__ = ["CPUExperts", "HybridMoE", "PatchReport", "patch_model", "register_experts_implementation"]
+__all__ = ["CPUExperts", "GraphDecoder", "HybridMoE", "PatchReport", "patch_model", "register_experts_implementation"]

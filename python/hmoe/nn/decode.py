@@ -1,0 +1,92 @@
+"""hmoe.nn.GraphDecoder: greedy decoding of a transformers causal LM with each decode step replayed
+from one CUDA graph (HybridMoE's CPU experts run inside it through host functions)."""
+from __future__ import annotations
+
+import torch
+
+
+class GraphDecoder:
+    """GraphDecoder(model, *, batch_size, max_cache_len, capture=True) for a transformers causal LM.
+
+    prefill(input_ids [B, L]) runs the prompt eagerly into a StaticCache and returns the last
+    logits [B, V]; step(ids [B]) runs one decode step and returns its logits [B, V] (a view of a
+    static buffer: copy it to keep it). The first step runs eagerly (warm-up: HybridMoE creates its
+    pinned buffers), the second captures the step in a CUDA graph, and every later one replays it
+    with the current tokens, position and mask, all fed through static tensors. The attention mask
+    is passed explicitly as a 4-d additive mask over the cache, so nothing in the step depends on
+    data the host would have to read. generate() is greedy decoding on top of these.
+    """
+
+    def __init__(self, model, *, batch_size: int, max_cache_len: int, capture: bool = True):
+        from transformers import StaticCache
+
+        self.model, self.batch, self.max_len, self.capture = model, int(batch_size), int(max_cache_len), capture
+        self.device = next(model.parameters()).device
+        if self.device.type != "cuda" and capture:
+            raise ValueError(f"GraphDecoder: the model is on {self.device}; CUDA graphs need a CUDA device "
+                             "(capture=False decodes eagerly through the same static cache)")
+        self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+        self._ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._mask = torch.zeros(self.batch, 1, 1, self.max_len, dtype=self.dtype, device=self.device)
+        self._graph = self._logits = None
+        self._steps = 0
+        self.length = 0
+
+    def _forward(self, ids, pos, mask):
+        out = self.model(input_ids=ids, past_key_values=self.cache, cache_position=pos, attention_mask=mask,
+                         use_cache=True)
+        return out.logits[:, -1]
+
+    def _set_mask(self, mask, queries: int, start: int) -> None:
+        neg = torch.finfo(self.dtype).min
+        q = torch.arange(start, start + queries, device=self.device).view(-1, 1)
+        k = torch.arange(self.max_len, device=self.device).view(1, -1)
+        mask.copy_(torch.where(k <= q, 0.0, neg).to(self.dtype).expand_as(mask))
+
+    def prefill(self, input_ids):
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
+            raise ValueError(f"GraphDecoder.prefill: input_ids must be [{self.batch}, L], got "
+                             f"{tuple(input_ids.shape)}")
+        L = input_ids.shape[1]
+        if not 0 < L < self.max_len:
+            raise ValueError(f"GraphDecoder.prefill: a prompt of {L} tokens does not fit max_cache_len {self.max_len}")
+        self.cache.reset()
+        mask = torch.empty(self.batch, 1, L, self.max_len, dtype=self.dtype, device=self.device)
+        self._set_mask(mask, L, 0)
+        with torch.no_grad():
+            logits = self._forward(input_ids.to(self.device), torch.arange(L, device=self.device), mask)
+        self.length = L
+        return logits
+
+    def step(self, ids):
+        if self.length >= self.max_len:
+            raise ValueError(f"GraphDecoder.step: the cache is full ({self.max_len} tokens)")
+        self._ids.copy_(ids.view(self.batch, 1))
+        self._pos.fill_(self.length)
+        self._set_mask(self._mask, 1, self.length)
+        with torch.no_grad():
+            if not self.capture or self._steps == 0:
+                logits = self._forward(self._ids, self._pos, self._mask)
+            else:
+                if self._graph is None:
+                    self._graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self._graph):
+                        self._logits = self._forward(self._ids, self._pos, self._mask)
+                self._graph.replay()
+                logits = self._logits
+        self._steps += 1
+        self.length += 1
+        return logits
+
+    def generate(self, input_ids, max_new_tokens: int):
+        """Greedy decoding: [B, L + max_new_tokens] token ids."""
+        tokens = [input_ids.to(self.device)]
+        nxt = self.prefill(input_ids).argmax(-1)
+        for _ in range(max_new_tokens):
+            tokens.append(nxt.view(-1, 1))
+            if len(tokens) - 1 == max_new_tokens:
+                break
+            nxt = self.step(nxt).argmax(-1)
+        return torch.cat(tokens, dim=1)

@@ -1,0 +1,58 @@
+"""The experts modules' host jobs (what a CUDA host function runs), driven here through ctypes on the
+CPU: the same result as a direct call, and a failure kept as an error with a NaN output."""
+import ctypes
+
+import pytest
+import torch
+
+import hmoe
+
+from ..ops.experts_reference import random_problem
+
+RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_host_job_runs_the_experts(x_dtype):
+    x, ids, w, w13, w2 = random_problem(5, 48, 40, 6, 2, x_dtype, torch.bfloat16)
+    experts = hmoe.CPUExperts(w13, w2)
+    out = torch.full_like(x, float("nan"))
+    mod = experts._mod
+    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 6, 48, 40, out, 2)
+    try:
+        RUN(fn)(job)
+        assert mod.host_job_error(job) == ""
+        assert torch.equal(out, experts(x, ids, w))
+        x.copy_(torch.randn_like(x))  # the job reads its buffers at each run
+        RUN(fn)(job)
+        assert torch.equal(out, experts(x, ids, w))
+    finally:
+        mod.host_job_free(job)
+
+
+def test_host_job_failure_is_an_error_and_nan():
+    x, ids, w, w13, w2 = random_problem(3, 32, 16, 4, 2, torch.float16, torch.float32)
+    experts = hmoe.CPUExperts(w13, w2)
+    out = torch.zeros_like(x)
+    mod = experts._mod
+    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 4, 32, 16, out, 1)
+    try:
+        ids[1, 0] = 7  # outside [0, 4)
+        RUN(fn)(job)
+        assert torch.isnan(out).all()
+        assert "topk_ids holds 7 (token 1, slot 0)" in mod.host_job_error(job)
+        assert mod.host_job_error(job) == ""  # read once
+    finally:
+        mod.host_job_free(job)
+
+
+def test_host_job_checks_its_buffers():
+    x, ids, w, w13, w2 = random_problem(3, 32, 16, 4, 2, torch.float32, torch.float32)
+    experts = hmoe.CPUExperts(w13, w2)
+    mod = experts._mod
+    with pytest.raises(ValueError, match="out has shape"):
+        mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 4, 32, 16, torch.empty(2, 32), 1)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 4, 32, 16, x, 1)
+    with pytest.raises(ValueError, match="null handle"):
+        mod.host_job_error(0)

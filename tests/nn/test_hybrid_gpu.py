@@ -1,0 +1,94 @@
+"""HybridMoE with the model on a GPU: routed experts on the CPU through host functions on a side
+stream, shared experts and GPU-resident experts on the GPU, CUDA graph capture of decode steps."""
+import pytest
+import torch
+
+import hmoe.nn as hn
+from hmoe import _reference
+
+from . import models
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rel(a, b):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_patched_model_on_gpu_matches(kind, dtype):
+    m = models.model(kind, dtype).cuda()
+    ids = torch.randint(0, 128, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        ref = m(ids).logits
+    report = hn.patch_model(m, progress=False)
+    assert "stay on cuda" in str(report) and "moved out of cuda" in str(report)
+    moe = [b for b in m.modules() if isinstance(b, hn.HybridMoE)]
+    assert moe and all(b.gate_weight.is_cuda and b.experts.packed_bytes > 0 for b in moe)
+    with torch.no_grad():
+        got = m(ids).logits
+    assert got.dtype == dtype and got.is_cuda
+    assert _rel(got, ref) <= _reference.tolerance("hybrid_model_logits", dtype)
+    for b in moe:
+        b.check()
+
+
+def test_gpu_experts_on_the_gpu():
+    m = models.model("v3").cuda()
+    block = models.moe_blocks(m)[0]
+    x = torch.randn(3, 5, 64, device="cuda")
+    with torch.no_grad():
+        want = block(x)
+        some = hn.HybridMoE.from_hf(block, gpu_experts=[1, 2, 9])
+        got = some(x)
+        torch.cuda.synchronize()
+    assert some.gpu_w13.is_cuda and some.experts.num_experts == 13
+    assert _rel(got, want) <= 4 * _reference.unit_roundoff(torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_graph_replay_of_decode_steps_matches_eager(kind, dtype):
+    m = models.model(kind, dtype).cuda()
+    hn.patch_model(m, progress=False)
+    prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    eager = hn.GraphDecoder(m, batch_size=2, max_cache_len=40, capture=False).generate(prompt, 20)
+    graphed = hn.GraphDecoder(m, batch_size=2, max_cache_len=40)
+    got = graphed.generate(prompt, 20)
+    assert graphed._graph is not None
+    assert torch.equal(got, eager)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            want = m.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+
+
+def test_host_function_failure_is_nan_then_raised():
+    m = models.model("v3").cuda()
+    block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
+    x = torch.randn(4, 64, device="cuda")
+    with torch.no_grad():
+        block(x)
+        torch.cuda.synchronize()
+        job = next(iter(block._jobs.values()))
+        bad = torch.full((4, block.top_k), 99, dtype=torch.int32, device="cuda")
+        out = torch.zeros_like(x)
+        stream = torch.cuda.current_stream()
+        job.launch(x, bad, torch.ones(4, block.top_k, device="cuda"), out, stream)
+        torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+    with pytest.raises(RuntimeError, match="CPU experts failed in an earlier step.*topk_ids holds 99"):
+        block(x)
+
+
+def test_capture_without_warm_up_says_so():
+    m = models.model("v3").cuda()
+    block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
+    x = torch.randn(3, 64, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run one eager step with the same batch before capturing"):
+        with torch.no_grad(), torch.cuda.graph(g):
+            block(x)
