@@ -5,6 +5,7 @@
 
 #include "bind/module.h"
 #include "cpu_features/cpu_features.h"
+#include "membw/read_probe.h"
 #include "topk/grouped_topk_entry.h"
 
 namespace py = pybind11;
@@ -29,6 +30,10 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     if (where < 0 || where > 3) throw std::invalid_argument("check_tensor: where must be 0..3");
     hb::tensor(t, label.c_str(), uint32_t(dtypes), ndim, static_cast<hb::Where>(where),
                hb::bool_arg(contiguous, "contiguous"));
+  });
+  HMOE_DEF(m, read_bandwidth, {
+    py::gil_scoped_release nogil;
+    return hmoe::read_bandwidth(bytes, threads, repeats);
   });
   HMOE_DEF(m, grouped_topk, {
     return hb::grouped_topk_entry(

@@ -31,6 +31,7 @@
 #define HMOE_ARGS_host_job_free HMOE_ARGS_host_job_error
 #define HMOE_ARGS_pack_weights (tensor, w13), (tensor, w2), (i32, num_threads)
 #define HMOE_ARGS_packed_bytes (i32, w_dtype), (i64, H), (i64, I)
+#define HMOE_ARGS_read_bandwidth (i64, bytes), (i32, threads), (i32, repeats)
 #define HMOE_ARGS_prewarm (i32, device)
 #define HMOE_ARGS_mla_decode_check                                                                  \
   (tensor, q_nope), (tensor, q_pe), (tensor, ckv_cache), (tensor, kpe_cache), (tensor, page_table), \
@@ -45,6 +46,7 @@
   X(cpu_core, cpu_features, request_amx_permission, "str", HMOE_ARGS_NONE)                                     \
   X(cpu_core, cpu_features, hwcap, "(u64, u64)", HMOE_ARGS_NONE)                                               \
   X(cpu_core, validation, check_tensor, "None", HMOE_ARGS_check_tensor)                                        \
+  X(cpu_core, membw, read_bandwidth, "bytes_per_second", HMOE_ARGS_read_bandwidth)                             \
   X(cpu_core, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                            \
   X(experts, experts, moe_experts, "out", HMOE_ARGS_moe_experts)                                               \
   X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                                 \

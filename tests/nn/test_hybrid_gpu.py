@@ -25,7 +25,7 @@ def test_patched_model_on_gpu_matches(kind, dtype):
     with torch.no_grad():
         ref = m(ids).logits
     report = hn.patch_model(m, progress=False)
-    assert "stay on cuda" in str(report) and "moved out of cuda" in str(report)
+    assert "stay on cuda" in str(report) and "taken from cuda" in str(report)
     moe = [b for b in m.modules() if isinstance(b, hn.HybridMoE)]
     assert moe and all(b.gate_weight.is_cuda and b.experts.packed_bytes > 0 for b in moe)
     with torch.no_grad():

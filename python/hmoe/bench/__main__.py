@@ -7,6 +7,8 @@ import sys
 # One place to register a benchmark: name -> (module exposing main(argv, prog) -> int, one-line help).
 # Modules are imported only when their subcommand runs, so listing them stays cheap.
 SUBCOMMANDS = {
+    "e2e": ("hmoe.bench.e2e", "a whole DeepSeek model with hmoe.nn (experts on the CPU) vs transformers' offloading and "
+                               "the memory-bandwidth bound"),
     "experts": ("hmoe.bench.experts", "CPU routed experts (CPUExperts, moe_experts_cpu) vs a torch per-expert loop"),
     "mla": ("hmoe.bench.mla", "GPU MLA decode (mla_decode) vs flashinfer fa2/fa3, against copy bandwidth and matmul peak"),
     "overhead": ("hmoe.bench.overhead", "host time per call of every op on tiny shapes (vs flashinfer's run() for MLA)"),

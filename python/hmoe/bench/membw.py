@@ -138,6 +138,20 @@ def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5) -> dict:
                         threads=torch.get_num_threads())
 
 
+def measure_read_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
+    """Read-only bandwidth of host memory: hmoe's native streaming probe (cpu_core.read_bandwidth:
+    every thread reads its own slice of one buffer larger than the caches; best of `repeats`). This is
+    the ceiling of streaming expert weights; a copy also writes and understates it, and a torch
+    reduction on few cores is bound by its arithmetic. GB/s counts bytes read."""
+    from hmoe import _native, get_num_threads
+
+    n = copy_buffer_bytes(nbytes)
+    threads = threads or get_num_threads()
+    bps = _native.bind("cpu_core").read_bandwidth(n, threads, repeats)
+    return {"method": "native streaming read probe (cpu_core.read_bandwidth)", "bytes_buffer": n,
+            "counts": "bytes read", "repeats": repeats, "gbps": bps / 1e9, "threads": threads}
+
+
 class CacheFlusher:
     """Reads a buffer of 2x the last-level cache between timed calls, so a call does not find
     the previous call's expert weights still cached (a real model runs other layers between).

@@ -125,7 +125,6 @@ class PatchReport:
         if not self.blocks:
             return (f"hmoe.nn.patch_model: nothing to do: the model's {self.already_patched} MoE blocks are already "
                     "HybridMoE")
-        gb = 1 << 30
         packed = sum(b.packed_bytes for b in self.blocks)
         n_gpu = sum(len(b.gpu_experts) for b in self.blocks)
         n_all = sum(b.experts for b in self.blocks)
@@ -133,11 +132,18 @@ class PatchReport:
         lines = [f"hmoe.nn.patch_model: swapped {self.swapped} MoE blocks for HybridMoE"
                  + (f" ({self.already_patched} were already)" if self.already_patched else ""),
                  f"  router, shared experts: stay on {self.device}",
-                 f"  routed experts: {n_all - n_gpu} of {n_all} on the CPU ({packed / gb:.2f} GiB packed, "
+                 f"  routed experts: {n_all - n_gpu} of {n_all} on the CPU ({_size(packed)} packed, "
                  f"{', '.join(dtypes)}, isa {self.isa}), {n_gpu} kept on {self.device}",
-                 f"  moved out of {', '.join(sorted({b.moved_from for b in self.blocks}))}: "
-                 f"{self.freed_bytes / gb:.2f} GiB of routed expert weights freed there"]
+                 f"  routed expert weights taken from {', '.join(sorted({b.moved_from for b in self.blocks}))}: "
+                 f"{_size(self.freed_bytes)} freed there"]
         return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def _count_routing(model, blocks, calibration):

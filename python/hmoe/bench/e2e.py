@@ -1,0 +1,220 @@
+# `python -m hmoe.bench e2e`: a whole DeepSeek model patched with hmoe.nn (routed experts on the CPU)
+# against transformers with the routed experts offloaded the way its users do it, and against the
+# memory-bandwidth bound of the routed experts.
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from hmoe.bench._report import progress
+
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Decode tokens/s (batch sizes of --batches, CUDA graphs and eager) and prefill tokens/s (--prefill tokens, "
+        "batch 1) of a random DeepSeek model whose routed experts run on the CPU through hmoe.nn.patch_model, "
+        "against transformers with the routed experts offloaded to the CPU (accelerate's dispatch_model with "
+        "those modules on 'cpu': weights copied to the GPU at each forward) and against the bound: active routed "
+        "expert bytes per step over the host's measured read bandwidth. --cpu-only runs everything on the CPU "
+        "and compares with transformers on the CPU."))
+    p.add_argument("--preset", default="v2-lite", help="model dimensions: v2-lite (default), small, tiny")
+    p.add_argument("--layers", type=int, default=None, help="MoE layers (default: the preset's)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--batches", default="1,8", help="decode batch sizes (default 1,8)")
+    p.add_argument("--prefill", type=int, default=512, help="prefill tokens, batch 1 (default 512; 0: skip)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (default 16)")
+    p.add_argument("--baseline-steps", type=int, default=3, help="timed decode steps of the baseline (default 3)")
+    p.add_argument("--no-baseline", action="store_true", help="leave transformers out")
+    p.add_argument("--cpu-only", action="store_true", help="everything on the CPU (default: on the GPU if any)")
+    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    opts = p.parse_args(argv)
+    try:
+        opts.batches = [int(b) for b in opts.batches.split(",") if b]
+    except ValueError:
+        p.error(f"--batches must be comma-separated integers, got {opts.batches!r}")
+    if not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prefill < 0 or opts.baseline_steps < 1:
+        p.error("--batches, --steps and --baseline-steps must be positive, --prefill >= 0")
+    return opts
+
+
+def _sync(torch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+PROMPT = 16
+
+
+def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int) -> float:
+    """Seconds per decode step of `batch` sequences after a PROMPT-token prefill (hmoe.nn.GraphDecoder:
+    static cache; with capture, steps replay one CUDA graph)."""
+    import hmoe.nn as hn
+
+    dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=PROMPT + steps + 4, capture=capture)
+    g = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(0, vocab, (batch, PROMPT), generator=g).to(device)
+    nxt = dec.prefill(prompt).argmax(-1)
+    for _ in range(2):  # eager warm-up, then the capture (and its first replay)
+        nxt = dec.step(nxt).argmax(-1)
+    _sync(torch, device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = dec.step(nxt).argmax(-1)
+    _sync(torch, device)
+    return (time.perf_counter() - t0) / steps
+
+
+def prefill_seconds(torch, model, tokens: int, device, vocab: int, repeats: int = 2) -> float:
+    import hmoe.nn as hn
+
+    dec = hn.GraphDecoder(model, batch_size=1, max_cache_len=tokens + 1, capture=False)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(7)).to(device)
+    dec.prefill(ids)
+    _sync(torch, device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dec.prefill(ids)
+        _sync(torch, device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cpu_experts_alone(torch, model, batch: int, repeats: int = 3) -> tuple[float, float]:
+    """(seconds, distinct experts per layer) of the CPU experts of every layer for one decode step of
+    `batch` tokens with random routing, called directly (no GPU, no copies)."""
+    import hmoe.nn as hn
+
+    blocks = [m for m in model.modules() if isinstance(m, hn.HybridMoE)]
+    g = torch.Generator().manual_seed(batch)
+    calls, distinct = [], 0
+    for b in blocks:
+        E, K = b.experts.num_experts, b.top_k
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(batch)]).to(torch.int32)
+        w = torch.rand(batch, K, generator=g)
+        x = torch.randn(batch, b.hidden_size, generator=g).to(b.gate_weight.dtype)
+        calls.append((b.experts, x, ids, w))
+        distinct += ids.unique().numel()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for experts, x, ids, w in calls:
+            experts(x, ids, w)
+        best = min(best, time.perf_counter() - t0)
+    return best, distinct / max(1, len(blocks))
+
+
+def baseline(torch, opts, dtype, device, vocab: int) -> dict:
+    """transformers with the routed experts offloaded to the CPU by accelerate (or, with --cpu-only,
+    transformers on the CPU): decode s/step at batch 1 and prefill seconds."""
+    from hmoe.bench import models
+
+    model = models.build(opts.preset, dtype=dtype, device=device, layers=opts.layers)
+    how = "transformers on the CPU"
+    if device.type == "cuda":
+        from accelerate import dispatch_model
+
+        dmap = {"": device.index or 0}
+        dmap.update({n: "cpu" for n, m in model.named_modules() if hasattr(m, "gate_up_proj")})
+        model = dispatch_model(model, device_map=dmap, main_device=device.index or 0)
+        how = "transformers + accelerate dispatch_model (routed experts offloaded to the CPU)"
+    out = {"how": how, "decode_s": {}}
+    with torch.no_grad():
+        for batch in opts.batches[:1]:
+            out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab)
+        if opts.prefill:
+            out["prefill_s"] = prefill_seconds(torch, model, opts.prefill, device, vocab, repeats=1)
+    del model
+    return out
+
+
+def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    import torch
+
+    import hmoe
+    import hmoe.nn as hn
+    from hmoe.bench import membw, models
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[opts.dtype]
+    device = torch.device("cpu" if opts.cpu_only or not torch.cuda.is_available() else "cuda:0")
+    cfg = models.config(opts.preset, opts.layers)
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    print(f"hmoe.bench e2e  preset {opts.preset}: {moe_layers} MoE layers, {cfg.n_routed_experts} experts top-"
+          f"{cfg.num_experts_per_tok}, H={cfg.hidden_size} I={cfg.moe_intermediate_size}, {opts.dtype}  "
+          f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}  "
+          f"cpu: {membw.cpu_model()}  threads {hmoe.get_num_threads()}  torch {torch.__version__}")
+    progress("measuring the host's read bandwidth")
+    read = membw.measure_read_bandwidth()
+    progress(f"read bandwidth {read['gbps']:.1f} GB/s; building the model")
+    t0 = time.perf_counter()
+    model = models.build(opts.preset, dtype=dtype, device=device, layers=opts.layers)
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    report = hn.patch_model(model, progress=sys.stderr.isatty())
+    patched = time.perf_counter() - t0
+    print(f"built in {built:.1f} s, patched in {patched:.1f} s")
+    print(report)
+    expert_bytes = models.routed_expert_bytes(cfg, torch.empty(0, dtype=dtype).element_size())
+    rows, result = [], {"preset": opts.preset, "dtype": opts.dtype, "device": str(device), "read_bw": read,
+                        "moe_layers": moe_layers, "decode": {}, "prefill": {}}
+    vocab = cfg.vocab_size
+    with torch.no_grad():
+        for batch in opts.batches:
+            progress(f"decode batch {batch}")
+            cpu_s, distinct = cpu_experts_alone(torch, model, batch)
+            bound_s = moe_layers * distinct * expert_bytes / (read["gbps"] * 1e9)
+            entry = {"cpu_experts_alone_s": cpu_s, "distinct_experts_per_layer": distinct, "bound_s": bound_s}
+            modes = [("eager", False)] + ([("cuda graph", True)] if device.type == "cuda" else [])
+            for name, capture in modes:
+                entry[name] = decode_rate(torch, model, batch, opts.steps, capture, device, vocab)
+            result["decode"][batch] = entry
+        if opts.prefill:
+            progress(f"prefill {opts.prefill} tokens")
+            result["prefill"]["hmoe_s"] = prefill_seconds(torch, model, opts.prefill, device, vocab)
+    del model, report
+    if not opts.no_baseline:
+        progress("baseline: " + ("transformers + accelerate offload" if device.type == "cuda" else "transformers"))
+        try:
+            result["baseline"] = baseline(torch, opts, dtype, device, vocab)
+        except ImportError as e:
+            result["baseline"] = {"error": f"{e}"}
+    base = result.get("baseline", {})
+    print(f"\nread bandwidth {read['gbps']:.1f} GB/s ({read['method']}); one routed expert {expert_bytes / 1e6:.1f} MB; "
+          f"bound = {moe_layers} layers x distinct experts per layer x expert bytes / read bandwidth")
+    if "error" in base:
+        print(f"baseline unavailable: {base['error']}")
+    elif base:
+        print(f"baseline: {base['how']}")
+    head = f"{'decode':<22}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}"
+    print(head + "\n" + "-" * len(head))
+    for batch, e in result["decode"].items():
+        b_s = base.get("decode_s", {}).get(batch)
+        for name in ("cuda graph", "eager"):
+            if name in e:
+                s = e[name]
+                rows.append(name)
+                print(f"{f'hmoe {name}, B={batch}':<22}{batch / s:>10.2f}{s * 1e3:>10.2f}{100 * e['bound_s'] / s:>8.1f}%"
+                      f"{(f'{b_s / s:.1f}x' if b_s else '-'):>9}{s / e['cpu_experts_alone_s']:>14.2f}x")
+        print(f"{f'CPU experts alone B={batch}':<22}{batch / e['cpu_experts_alone_s']:>10.2f}"
+              f"{e['cpu_experts_alone_s'] * 1e3:>10.2f}{100 * e['bound_s'] / e['cpu_experts_alone_s']:>8.1f}%")
+        print(f"{f'bound B={batch}':<22}{batch / e['bound_s']:>10.2f}{e['bound_s'] * 1e3:>10.2f}"
+              f"   ({e['distinct_experts_per_layer']:.1f} distinct experts per layer)")
+        if b_s:
+            print(f"{f'baseline B={batch}':<22}{batch / b_s:>10.2f}{b_s * 1e3:>10.2f}")
+    if opts.prefill:
+        s, b_s = result["prefill"]["hmoe_s"], base.get("prefill_s")
+        print(f"\nprefill {opts.prefill} tokens: hmoe {opts.prefill / s:.0f} tok/s ({s * 1e3:.0f} ms)"
+              + (f", baseline {opts.prefill / b_s:.0f} tok/s ({b_s * 1e3:.0f} ms), {b_s / s:.1f}x" if b_s else ""))
+    print("\ngoals (V2-Lite, B=1, bf16, H200 host): CUDA graph decode >= 70% of the bound and >= 10x the baseline; "
+          "decode step <= 1.1x the CPU experts alone")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
