@@ -11,13 +11,21 @@
 namespace hmoe {
 namespace {
 
-// Eight independent accumulators over 64-byte lines: loads, not additions, set the pace.
+// Four streams through the range at once, each with a software prefetch 2 KB ahead (hardware
+// prefetchers restart at every 4 KB page), eight independent accumulators: loads set the pace, as
+// in the experts' kernels, which stream several weight blocks with the same prefetch.
 uint64_t read_range(const uint64_t* p, int64_t n) {
+  constexpr int kStreams = 4, kAhead = 256;  // words
+  const int64_t part = n / kStreams / 8 * 8;
   uint64_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) a[j] ^= p[i + j];
-  for (; i < n; ++i) a[0] ^= p[i];
+  for (int64_t i = 0; i < part; i += 8) {
+    for (int s = 0; s < kStreams; ++s) {
+      const uint64_t* q = p + s * part + i;
+      __builtin_prefetch(q + kAhead);
+      for (int j = 0; j < 8; ++j) a[j] ^= q[j];
+    }
+  }
+  for (int64_t i = kStreams * part; i < n; ++i) a[0] ^= p[i];
   return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
 }
 

@@ -93,23 +93,31 @@ class HostJob:
 
         self.tokens, self.top_k, self.dtype, self.device = tokens, top_k, dtype, device
         H = experts.hidden_size
-        self.x = PinnedBuffer(torch, (tokens, H), dtype)
-        self.ids = PinnedBuffer(torch, (tokens, top_k), torch.int32)
-        self.weights = PinnedBuffer(torch, (tokens, top_k), torch.float32)
+        # One pinned input buffer (x, then ids, then weights: every part a multiple of 4 bytes), so
+        # that a step copies its inputs in one transfer after one small gather on the GPU.
+        es = torch.empty(0, dtype=dtype).element_size()
+        nx, nk = tokens * H * es, tokens * top_k * 4
+        self.inputs = PinnedBuffer(torch, (nx + 2 * nk,), torch.uint8)
+        raw = self.inputs.tensor
+        self.x = raw[:nx].view(dtype).view(tokens, H)
+        self.ids = raw[nx:nx + nk].view(torch.int32).view(tokens, top_k)
+        self.weights = raw[nx + nk:].view(torch.float32).view(tokens, top_k)
         self.out = PinnedBuffer(torch, (tokens, H), dtype)
         self._mod = experts._mod
         self._experts = experts  # keeps the packed weights alive
         self._fn, self._job = self._mod.host_job_create(
-            self.x.tensor, self.ids.tensor, self.weights.tensor, experts._w13, experts._w2, experts._code,
+            self.x, self.ids, self.weights, experts._w13, experts._w2, experts._code,
             experts.num_experts, H, experts.intermediate_size, self.out.tensor, get_num_threads())
 
     def launch(self, x, ids, weights, out, stream) -> None:
         """On `stream`: copy x [T, H], ids [T, K] (int32) and weights [T, K] (fp32) from the GPU into
         the pinned buffers, run the experts on the CPU, copy the result into out [T, H] on the GPU."""
+        import torch
+
         with stream_context(stream):
-            self.x.tensor.copy_(x, non_blocking=True)
-            self.ids.tensor.copy_(ids, non_blocking=True)
-            self.weights.tensor.copy_(weights, non_blocking=True)
+            packed = torch.cat([x.reshape(-1).view(torch.uint8), ids.to(torch.int32).reshape(-1).view(torch.uint8),
+                                weights.to(torch.float32).reshape(-1).view(torch.uint8)])
+            self.inputs.tensor.copy_(packed, non_blocking=True)
             _check(cudart().cudaLaunchHostFunc(stream.cuda_stream, self._fn, self._job), "cudaLaunchHostFunc")
             out.copy_(self.out.tensor, non_blocking=True)
             if not _capturing():
