@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import ops
+from ..ops import library
 from .experts import CPUExperts
 
 _SCORINGS = ("softmax", "sigmoid")
@@ -103,9 +105,10 @@ class HybridMoE(torch.nn.Module):
 
     def route(self, x):
         """(weights fp32 [T, top_k], ids int32 [T, top_k]) for x [T, H], on x's device."""
-        from .. import ops
-
         logits = F.linear(x.float(), self.gate_weight.float())
+        if torch.compiler.is_compiling():  # the custom op: traceable, same kernel
+            return library.grouped_topk(logits, self.top_k, self.n_group, self.topk_group, self.scoring,
+                                        self.e_score_correction_bias, self.renormalize, self.routed_scaling_factor)
         return ops.grouped_topk(logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
                                 scoring=self.scoring, bias=self.e_score_correction_bias,
                                 renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor)
@@ -155,8 +158,6 @@ class HybridMoE(torch.nn.Module):
 
     def _experts_sync(self, x, ids, weights):
         if torch.compiler.is_compiling():
-            from ..ops import library
-
             out = library.cpu_experts_op(self.experts, x.to("cpu"), ids.to("cpu"), weights.to("cpu"))
         else:
             out = self.experts(x.to("cpu"), ids.to("cpu"), weights.to("cpu"))
