@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: build and install hmoe (every CUDA target), run the whole test suite
 # (GPU tests included), the compat check with self-tests and the benchmarks (host overhead, MLA
-# decode, CPU experts), writing logs to
+# decode, CPU experts, a whole model end to end), writing logs to
 # the folder given as $1. flashinfer wheels in .device/whl/ (../shared/device/fetch-wheels.sh)
 # are installed first when present, for the mla comparison.
 #   usage: bash ci/gpu_check.sh OUTDIR [experts-bench args...]
 # HMOE_GPU_STEPS="build tests" runs only those steps (default: build tests compat bench_overhead
-# bench_mla bench_experts), so that the work fits the device tool's 10-minute calls.
+# bench_mla bench_experts bench_e2e), so that the work fits the device tool's 10-minute calls.
 set -uo pipefail
 out=${1:?usage: ci/gpu_check.sh OUTDIR}
 shift || true
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 status=0
 
-steps=" ${HMOE_GPU_STEPS:-build tests compat bench_overhead bench_mla bench_experts} "
+steps=" ${HMOE_GPU_STEPS:-build tests compat bench_overhead bench_mla bench_experts bench_e2e} "
 step() {  # step NAME CMD...: runs CMD, tees its log, remembers a failure
   local name=$1; shift
   [[ $steps == *" $name "* ]] || return 0
@@ -44,4 +44,5 @@ step compat python3 -m hmoe.compat check --selftest
 step bench_overhead python3 -m hmoe.bench overhead --json "$out/bench_overhead.json"
 step bench_mla python3 -m hmoe.bench mla --json "$out/bench_mla.json" --plot "$out/mla_roofline.png"
 step bench_experts python3 -m hmoe.bench experts --json "$out/bench_experts.json" "$@"
+step bench_e2e python3 -m hmoe.bench e2e --json "$out/bench_e2e.json"
 exit $status

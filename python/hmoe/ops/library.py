@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _native
 from .._threads import get_num_threads
 from . import experts as _experts
 from .mla import mla_decode as _mla
@@ -36,10 +37,10 @@ _NS = "hmoe"
 _lib = torch.library.Library(_NS, "DEF")
 
 
-def _define(schema: str, fn, devices, fake):
+def _define(schema: str, kernels: dict, fake):
     name = schema.split("(", 1)[0]
     _lib.define(schema)
-    for dev in devices:
+    for dev, fn in kernels.items():
         _lib.impl(name, fn, dev)
     torch.library.register_fake(f"{_NS}::{name}", fake, lib=_lib)
     return getattr(getattr(torch.ops, _NS), name).default
@@ -55,6 +56,12 @@ def _grouped_topk(router_logits, top_k, n_group, topk_group, scoring, bias, reno
                  renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
 
 
+def _grouped_topk_cpu(*args):
+    """The CPU kernel: the dispatcher already chose the device, so straight to the CPU module (whose
+    entry point takes the schema's arguments in the schema's order and checks them all)."""
+    return _native.bind("cpu_core").grouped_topk(*args)
+
+
 def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor):
     _fake_check(router_logits.dim() == 2, f"grouped_topk: router_logits must be [T, E], got {router_logits.dim()}-d")
     T = router_logits.shape[0]
@@ -65,7 +72,7 @@ def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias,
 grouped_topk = _define(
     "grouped_topk(Tensor router_logits, int top_k, int n_group, int topk_group, str scoring, Tensor? bias, "
     "bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)",
-    _grouped_topk, ("CPU", "CUDA"), _grouped_topk_fake)
+    {"CPU": _grouped_topk_cpu, "CUDA": _grouped_topk}, _grouped_topk_fake)
 
 
 def _experts_out(x):
@@ -79,12 +86,12 @@ def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, isa):
 
 moe_experts_cpu = _define(
     "moe_experts_cpu(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, str? isa) -> Tensor",
-    _moe_experts_cpu, ("CPU",), lambda x, topk_ids, topk_weights, w13, w2, isa: _experts_out(x))
+    {"CPU": _moe_experts_cpu}, lambda x, topk_ids, topk_weights, w13, w2, isa: _experts_out(x))
 
 
 def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, w_dtype_code, num_experts, hidden_size,
                         intermediate_size, isa):
-    mod = _experts.module(_experts.select(isa))
+    mod = _experts.module(_experts.select(isa))  # both cached
     return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, w_dtype_code, num_experts,
                                   hidden_size, intermediate_size, None, get_num_threads())
 
@@ -99,7 +106,7 @@ def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, w
 cpu_experts_packed = _define(
     "cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w2_packed, "
     "int w_dtype_code, int num_experts, int hidden_size, int intermediate_size, str? isa) -> Tensor",
-    _cpu_experts_packed, ("CPU",), _cpu_experts_packed_fake)
+    {"CPU": _cpu_experts_packed}, _cpu_experts_packed_fake)
 
 
 def cpu_experts_op(experts, x, topk_ids, topk_weights):
@@ -124,4 +131,4 @@ def _mla_decode_fake(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, s
 mla_decode = _define(
     "mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table, "
     "Tensor seq_lens, float sm_scale, bool return_lse, str? variant) -> (Tensor, Tensor)",
-    _mla_decode_op, ("CUDA",), _mla_decode_fake)
+    {"CUDA": _mla_decode_op}, _mla_decode_fake)
