@@ -84,9 +84,10 @@ do_install() {
   "$work/venv/bin/python" -m pip list 2>/dev/null | grep -E "^(hmoe[-a-z0-9]*|torch|transformers|pytest) " || true
 }
 do_tests() {
-  # A copy of tests/ (plus ci/ for the verifier's tests, pyproject.toml for pytest's settings)
+  # A copy of tests/ (plus ci/ for the verifier's tests, examples/ for the examples' test,
+  # pyproject.toml for pytest's settings)
   # outside the source tree: `import hmoe` can only find the venv's installed copy.
-  mkdir -p "$work/t" && cp -r tests ci pyproject.toml "$work/t/"
+  mkdir -p "$work/t" && cp -r tests ci examples pyproject.toml "$work/t/"
   (cd "$work/t" && "$work/venv/bin/python" - "$work/venv" <<'EOF'
 import sys, hmoe
 where = hmoe.__file__
