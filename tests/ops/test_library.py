@@ -37,7 +37,7 @@ def test_experts_ops(x_dtype):
     assert torch.equal(torch.ops.hmoe.moe_experts_cpu(x, ids, w, w13, w2, None),
                        hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2))
     experts = hmoe.CPUExperts(w13, w2)
-    packed = (x, ids, w, experts._w13, experts._w2, experts._code, 5, 32, 24, None)
+    packed = (x, ids, w, experts._w13, experts._w2, [experts._code, 5, 32, 24], None)
     torch.library.opcheck(library.cpu_experts_packed, packed, test_utils=TESTS)
     assert torch.equal(library.cpu_experts_op(experts, x, ids, w), experts(x, ids, w))
 

@@ -30,6 +30,7 @@ class CPUExperts:
         self.intermediate_size = two_i // 2
         self.dtype = w13.dtype
         self._mod, self._code = mod, code(self.dtype)
+        self._dims = (self._code, self.num_experts, self.hidden_size, self.intermediate_size)
 
     def __getstate__(self):
         return {"version": self._STATE_VERSION, "isa": self._isa_request, "dtype": self.dtype,
@@ -56,6 +57,7 @@ class CPUExperts:
         self._isa_request, self.selection, self.dtype = state["isa"], sel, state["dtype"]
         self._w13, self._w2 = state["w13"], state["w2"]
         self._mod, self._code = mod, code(self.dtype)
+        self._dims = (self._code, self.num_experts, self.hidden_size, self.intermediate_size)
 
     @property
     def isa(self) -> str:

@@ -7,8 +7,8 @@ Importing this module registers, once:
   hmoe::moe_experts_cpu(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2,
                         str? isa) -> Tensor
   hmoe::cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed,
-                           Tensor w2_packed, int w_dtype_code, int num_experts, int hidden_size,
-                           int intermediate_size, str? isa) -> Tensor      (what CPUExperts runs)
+                           Tensor w2_packed, int[] dims, str? isa) -> Tensor
+      (what CPUExperts runs; dims = [weight dtype code, num_experts, hidden_size, intermediate_size])
   hmoe::mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table,
                    Tensor seq_lens, float sm_scale, bool return_lse, str? variant) -> (Tensor, Tensor)
 
@@ -89,37 +89,43 @@ moe_experts_cpu = _define(
     {"CPU": _moe_experts_cpu}, lambda x, topk_ids, topk_weights, w13, w2, isa: _experts_out(x))
 
 
-def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, w_dtype_code, num_experts, hidden_size,
-                        intermediate_size, isa):
+def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
     mod = _experts.module(_experts.select(isa))  # both cached
-    return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, w_dtype_code, num_experts,
-                                  hidden_size, intermediate_size, None, get_num_threads())
+    code, E, H, I = dims
+    return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, code, E, H, I, None,
+                                  get_num_threads())
 
 
-def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, w_dtype_code, num_experts,
-                             hidden_size, intermediate_size, isa):
-    _fake_check(x.dim() == 2 and x.shape[1] == hidden_size,
-                f"CPUExperts: x must be [T, {hidden_size}], got {tuple(x.shape)}")
+def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
+    _fake_check(len(dims) == 4 and x.dim() == 2 and x.shape[1] == dims[2],
+                f"CPUExperts: x must be [T, {dims[2] if len(dims) == 4 else 'H'}], got {tuple(x.shape)}")
     return _experts_out(x)
 
 
 cpu_experts_packed = _define(
     "cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w2_packed, "
-    "int w_dtype_code, int num_experts, int hidden_size, int intermediate_size, str? isa) -> Tensor",
+    "int[] dims, str? isa) -> Tensor",
     {"CPU": _cpu_experts_packed}, _cpu_experts_packed_fake)
 
 
 def cpu_experts_op(experts, x, topk_ids, topk_weights):
     """CPUExperts `experts` applied through hmoe::cpu_experts_packed (what HybridMoE runs when compiled)."""
-    return cpu_experts_packed(x, topk_ids, topk_weights, experts._w13, experts._w2, experts._code,
-                              experts.num_experts, experts.hidden_size, experts.intermediate_size,
+    return cpu_experts_packed(x, topk_ids, topk_weights, experts._w13, experts._w2, experts._dims,
                               experts._isa_request)
+
+
+_no_lse: dict = {}  # device -> the empty fp32 tensor returned as lse without return_lse (nothing to mutate)
 
 
 def _mla_decode_op(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, return_lse, variant):
     r = _mla(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale=sm_scale, return_lse=return_lse,
              variant=variant)
-    return r if return_lse else (r, torch.empty(0, dtype=torch.float32, device=q_nope.device))
+    if return_lse:
+        return r
+    empty = _no_lse.get(q_nope.device)
+    if empty is None:
+        empty = _no_lse[q_nope.device] = torch.empty(0, dtype=torch.float32, device=q_nope.device)
+    return r, empty
 
 
 def _mla_decode_fake(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, return_lse, variant):
