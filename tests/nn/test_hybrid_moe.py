@@ -247,3 +247,16 @@ def test_static_cache_decoder_matches_generate(kind):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         hn.GraphDecoder(m, batch_size=2, max_cache_len=32)
+
+
+def test_forward_with_grad_warns_that_it_is_inference_only():
+    m = models.model("v3")
+    block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
+    x = torch.randn(3, 64, requires_grad=True)
+    with pytest.warns(UserWarning, match="inference-only"):
+        block(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block(x)  # once per module
+        with torch.no_grad():
+            block(x)

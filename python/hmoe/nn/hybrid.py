@@ -1,6 +1,8 @@
 """hmoe.nn.HybridMoE: the DeepSeek-V2/V3 MoE block with its routed experts on the CPU."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +88,7 @@ class HybridMoE(torch.nn.Module):
             self.experts = CPUExperts(c13.contiguous(), c2.contiguous(), isa=isa)
         self._jobs: dict = {}
         self._side: dict = {}
+        self._warned_grad = False
 
     # --- construction from transformers ---------------------------------------------------------------
 
@@ -120,6 +123,10 @@ class HybridMoE(torch.nn.Module):
         if hidden_states.device != self.gate_weight.device:
             raise ValueError(f"HybridMoE: hidden_states are on {hidden_states.device}, the router on "
                              f"{self.gate_weight.device}: move the module with .to()")
+        if hidden_states.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
+            self._warned_grad = True
+            warnings.warn("HybridMoE is inference-only: no gradient flows through the routed experts (run the "
+                          "model under torch.no_grad() or torch.inference_mode())", stacklevel=2)
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, ids = self.route(x)
         self.routing_counts.index_add_(0, ids.flatten().long(), torch.ones_like(ids.flatten(), dtype=torch.int64))
