@@ -11,6 +11,7 @@ _LAZY = {
     "set_num_threads": ("hmoe._threads", "set_num_threads"),
     "get_num_threads": ("hmoe._threads", "get_num_threads"),
     "ops": ("hmoe.ops", None),
+    "quant": ("hmoe.quant", None),
     "prewarm": ("hmoe._prewarm", "prewarm"),
 }
 

@@ -1,0 +1,215 @@
+"""hmoe.quant: quantised expert weights (int8, int4, DeepSeek's block-scaled fp8).
+
+A weight is a matrix [N, K] (or a stack of them, [..., N, K], e.g. every expert's w13 [E, 2I, H]),
+quantised along K, its reduction dimension, symmetrically with round-to-nearest-even (w read as fp32;
+scale and quotient computed in fp32):
+
+  int8  per output row (group_size=None, the default) or per group of 32/64/128 along K:
+        q = round(w / s) in [-127, 127], s = max|w| / 127 over the row or group.
+  int4  per group of 32/64/128 along K (default 128): q = round(w / s) in [-7, 7],
+        s = max|w| / 7; two values per byte, element 2j in the low nibble, 2j + 1 in the high one.
+  fp8   float8_e4m3fn with one fp32 scale per block of (128, 128) [N, K] elements, DeepSeek-V3/R1's
+        checkpoint format (weight_scale_inv): w = fp8 * scale.
+
+The scales are fp32; the dequantised weight is q * s in fp32. A group or block whose weights are all
+zero has scale 0. QuantizedWeights pickles (plain tensors and a version number).
+"""
+from __future__ import annotations
+
+import math
+
+FORMATS = ("int8", "int4", "fp8")
+GROUP_SIZES = (32, 64, 128)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_QMAX = {"int8": 127, "int4": 7}
+
+
+class QuantizedWeights:
+    """Quantised weights of logical shape `shape` ([..., N, K]); see the module docstring.
+
+    format: "int8", "int4" or "fp8"; group_size: K elements per scale (int8 per row: None; fp8: None,
+    see block); block: fp8's (rows, columns) per scale; data: int8 [..., N, K] (int8), uint8
+    [..., N, K/2] (int4) or float8_e4m3fn [..., N, K] (fp8); scales: fp32 [..., N, K/group]
+    (int8 per row: [..., N, 1]) or [..., ceil(N/rows), ceil(K/cols)] (fp8).
+    """
+
+    _STATE_VERSION = 1
+
+    def __init__(self, format: str, data, scales, shape, *, group_size: int | None = None, block=None):
+        self.format, self.data, self.scales = format, data, scales
+        self.shape, self.group_size = tuple(int(d) for d in shape), group_size
+        self.block = None if block is None else (int(block[0]), int(block[1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantised values and their scales."""
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / math.prod(self.shape)
+
+    def dequantize(self):
+        return dequantize(self)
+
+    def __getstate__(self):
+        return {"version": self._STATE_VERSION, "format": self.format, "data": self.data, "scales": self.scales,
+                "shape": self.shape, "group_size": self.group_size, "block": self.block}
+
+    def __setstate__(self, state):
+        if not isinstance(state, dict) or state.get("version") != self._STATE_VERSION:
+            raise ValueError("unpickling QuantizedWeights: written by another hmoe version; quantise the weights again")
+        self.__init__(state["format"], state["data"], state["scales"], state["shape"],
+                      group_size=state["group_size"], block=state["block"])
+
+    def __repr__(self):
+        how = (f"block={self.block}" if self.format == "fp8" else
+               f"group_size={self.group_size if self.group_size else 'per row'}")
+        return (f"QuantizedWeights({self.format}, shape={list(self.shape)}, {how}, "
+                f"{self.bits_per_weight:.2f} bits/weight)")
+
+
+def _check_float(w, what: str):
+    import torch
+
+    if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"{what}: expected a torch tensor, got {type(w).__name__}")
+    if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{what}: weights must be float32, float16 or bfloat16, got {w.dtype}")
+    if w.dim() < 2 or w.shape[-1] == 0 or w.shape[-2] == 0:
+        raise ValueError(f"{what}: expected weights [..., N, K] with N, K >= 1, got shape {tuple(w.shape)}")
+    wf = w.detach().float()
+    if not torch.isfinite(wf).all():
+        raise ValueError(f"{what}: the weights hold NaN or infinity; they cannot be quantised")
+    return wf
+
+
+def _group(fmt: str, K: int, group_size):
+    if group_size is None:
+        if fmt == "int4":
+            group_size = 128
+        else:
+            return None
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise ValueError(f"quantize: group_size must be one of {GROUP_SIZES}"
+                         + (" or None (per row)" if fmt == "int8" else "") + f", got {group_size!r}")
+    if K % group_size:
+        raise ValueError(f"quantize: K = {K} (the last dimension) is not a multiple of group_size {group_size}")
+    return group_size
+
+
+def _block_scales(wf, block, qmax):
+    """amax / qmax per (rows, cols) block of the last two dims, shape [..., ceil(N/r), ceil(K/c)]."""
+    import torch
+
+    r, c = block
+    N, K = wf.shape[-2:]
+    pn, pk = -N % r, -K % c
+    padded = torch.nn.functional.pad(wf.abs(), (0, pk, 0, pn))
+    lead = padded.shape[:-2]
+    blocks = padded.reshape(*lead, (N + pn) // r, r, (K + pk) // c, c)
+    return blocks.amax(dim=(-3, -1)) / qmax
+
+
+def _expand_blocks(scales, block, N: int, K: int):
+    r, c = block
+    return scales.repeat_interleave(r, dim=-2)[..., :N, :].repeat_interleave(c, dim=-1)[..., :K]
+
+
+def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128)) -> QuantizedWeights:
+    """Quantises w [..., N, K] (fp32/fp16/bf16, any device) along K; see the module docstring.
+    group_size: int8 None (per row, default) or 32/64/128; int4 32/64/128 (default 128). fp8 uses
+    `block` (rows, columns) per scale instead."""
+    import torch
+
+    if format not in FORMATS:
+        raise ValueError(f"quantize: unknown format {format!r}; expected one of {FORMATS}")
+    wf = _check_float(w, "quantize")
+    N, K = wf.shape[-2:]
+    if format == "fp8":
+        if group_size is not None:
+            raise ValueError("quantize: fp8 is scaled per block (block=(rows, cols)), not per group")
+        block = _check_block(block)
+        scales = _block_scales(wf, block, FP8_MAX)
+        full = _expand_blocks(scales, block, N, K)
+        q = torch.where(full > 0, wf / torch.where(full > 0, full, 1.0), 0.0).to(torch.float8_e4m3fn)
+        return QuantizedWeights("fp8", q, scales, wf.shape, block=block)
+    g = _group(format, K, group_size)
+    if format == "int4" and K % 2:
+        raise ValueError(f"quantize: int4 needs an even K, got {K}")
+    qmax = _QMAX[format]
+    grouped = wf.reshape(*wf.shape[:-1], K // (g or K), g or K)
+    scales = grouped.abs().amax(dim=-1) / qmax  # [..., N, G]
+    safe = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
+    q = torch.round(grouped / safe).clamp_(-qmax, qmax).to(torch.int8).reshape(wf.shape)
+    if format == "int4":
+        u = (q & 0xF).to(torch.uint8)
+        q = u[..., 0::2] | (u[..., 1::2] << 4)
+    return QuantizedWeights(format, q, scales, wf.shape, group_size=g)
+
+
+def _check_block(block):
+    try:
+        r, c = (int(b) for b in block)
+    except (TypeError, ValueError):
+        raise ValueError(f"fp8: block must be (rows, cols), got {block!r}") from None
+    if r < 1 or c < 1:
+        raise ValueError(f"fp8: block sizes must be positive, got {block!r}")
+    return r, c
+
+
+def _int4_values(data):
+    """uint8 [..., K/2] -> int8 [..., K] in [-8, 7]."""
+    import torch
+
+    lo = (data & 0xF).to(torch.int8)
+    hi = (data >> 4).to(torch.int8)
+    both = torch.stack([lo, hi], dim=-1).reshape(*data.shape[:-1], 2 * data.shape[-1])
+    return torch.where(both > 7, both - 16, both)
+
+
+def dequantize(qw: QuantizedWeights):
+    """The fp32 weights [..., N, K] that qw stands for: q * s."""
+    import torch
+
+    if not isinstance(qw, QuantizedWeights):
+        raise TypeError(f"dequantize: expected QuantizedWeights, got {type(qw).__name__}")
+    N, K = qw.shape[-2:]
+    if qw.format == "fp8":
+        return qw.data.float() * _expand_blocks(qw.scales.float(), qw.block, N, K)
+    q = _int4_values(qw.data) if qw.format == "int4" else qw.data
+    g = qw.group_size or K
+    grouped = q.float().reshape(*qw.shape[:-1], K // g, g) * qw.scales.unsqueeze(-1)
+    return grouped.reshape(qw.shape)
+
+
+def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
+             group_size: int | None = None) -> QuantizedWeights:
+    """DeepSeek-V3/R1's block-scaled fp8 weight (float8_e4m3fn [..., N, K] and its weight_scale_inv
+    fp32 [..., ceil(N/rows), ceil(K/cols)]) as QuantizedWeights: kept as fp8 with its scales (to=None),
+    or converted to "int8" / "int4" (group_size as in quantize) through the fp32 weights."""
+    import torch
+
+    if not isinstance(w_fp8, torch.Tensor) or w_fp8.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"from_fp8: w_fp8 must be a float8_e4m3fn tensor, got "
+                        f"{w_fp8.dtype if isinstance(w_fp8, torch.Tensor) else type(w_fp8).__name__}")
+    if w_fp8.dim() < 2:
+        raise ValueError(f"from_fp8: expected w_fp8 [..., N, K], got shape {tuple(w_fp8.shape)}")
+    if not isinstance(scale_inv, torch.Tensor) or not scale_inv.is_floating_point():
+        raise TypeError("from_fp8: scale_inv must be a floating-point tensor")
+    r, c = _check_block(block)
+    N, K = w_fp8.shape[-2:]
+    want = (*w_fp8.shape[:-2], -(-N // r), -(-K // c))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"from_fp8: scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for w_fp8 "
+                         f"{tuple(w_fp8.shape)} and block {(r, c)}")
+    if not torch.isfinite(scale_inv).all():
+        raise ValueError("from_fp8: scale_inv holds NaN or infinity")
+    if not torch.isfinite(w_fp8.float()).all():
+        raise ValueError("from_fp8: w_fp8 holds NaN")
+    qw = QuantizedWeights("fp8", w_fp8.detach(), scale_inv.detach().float(), w_fp8.shape, block=(r, c))
+    if to is None:
+        return qw
+    if to not in ("int8", "int4"):
+        raise ValueError(f"from_fp8: to must be None, 'int8' or 'int4', got {to!r}")
+    return quantize(dequantize(qw), to, group_size=group_size)
