@@ -170,8 +170,6 @@ def _int4_values(data):
 
 def dequantize(qw: QuantizedWeights):
     """The fp32 weights [..., N, K] that qw stands for: q * s."""
-    import torch
-
     if not isinstance(qw, QuantizedWeights):
         raise TypeError(f"dequantize: expected QuantizedWeights, got {type(qw).__name__}")
     N, K = qw.shape[-2:]
