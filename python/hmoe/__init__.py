@@ -8,6 +8,7 @@ _LAZY = {
     "build_info": ("hmoe._build_info", "build_info"),
     "CPUExperts": ("hmoe.nn.experts", "CPUExperts"),
     "nn": ("hmoe.nn", None),
+    "load_experts": ("hmoe.checkpoint", "load_experts"),
     "set_num_threads": ("hmoe._threads", "set_num_threads"),
     "get_num_threads": ("hmoe._threads", "get_num_threads"),
     "ops": ("hmoe.ops", None),

@@ -1,0 +1,172 @@
+"""hmoe.load_experts: one layer's routed experts read straight from a safetensors checkpoint.
+
+Layouts read (for layer N, prefix "model.layers.N.mlp.experts." unless `prefix` says otherwise):
+  * per expert, as DeepSeek-V2/V3 and transformers' save_pretrained write them:
+    "{e}.gate_proj.weight" [I, H], "{e}.up_proj.weight" [I, H], "{e}.down_proj.weight" [H, I], with
+    "{e}.*.weight_scale_inv" [ceil(rows/128), ceil(cols/128)] beside float8_e4m3fn weights (DeepSeek-V3/R1);
+  * fused, as transformers 5 holds them in memory: "gate_up_proj" [E, 2I, H] and "down_proj" [E, H, I].
+Tensors are read one expert at a time from the shard that holds them (model.safetensors.index.json
+when present), converted or quantised, and written into the result, so no more than one expert is
+held unconverted at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+
+def _shards(path: str) -> dict:
+    """tensor name -> shard file for a checkpoint directory or a single .safetensors file."""
+    from safetensors import safe_open
+
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    else:
+        raise FileNotFoundError(f"load_experts: {path!r} is neither a checkpoint directory nor a .safetensors file")
+    if not files:
+        raise FileNotFoundError(f"load_experts: no .safetensors file in {path!r}")
+    names = {}
+    for f in files:
+        with safe_open(f, "pt") as s:
+            names.update({k: f for k in s.keys()})
+    return names
+
+
+class _Reader:
+    """Reads tensors by name, keeping the shard that served the last one open."""
+
+    def __init__(self, names: dict):
+        self.names, self._file, self._handle = names, None, None
+
+    def get(self, name: str):
+        from safetensors import safe_open
+
+        f = self.names[name]
+        if f != self._file:
+            self._handle, self._file = safe_open(f, "pt"), f
+        return self._handle.get_tensor(name)
+
+
+def _weight(reader, name: str, block):
+    """A weight as fp32, its fp8 scales applied when the checkpoint has them."""
+    import torch
+
+    from . import quant
+
+    w = reader.get(name)
+    if w.dtype == torch.float8_e4m3fn:
+        scale = name.removesuffix(".weight") + ".weight_scale_inv"
+        if scale not in reader.names:
+            raise ValueError(f"load_experts: {name} is float8_e4m3fn but {scale} is missing")
+        return quant.dequantize(quant.from_fp8(w, reader.get(scale), block))
+    if not w.is_floating_point():
+        raise TypeError(f"load_experts: {name} has dtype {w.dtype}; expected a float or float8_e4m3fn weight")
+    return w.float()
+
+
+def load_experts(path: str, layer: int, *, quant: str | None = None, group_size: int | None = None,
+                 dtype=None, prefix: str | None = None, fp8_block=(128, 128), progress: bool = True):
+    """(w13 [E, 2I, H], w2 [E, H, I]) of one layer's routed experts, ready for hmoe.CPUExperts.
+
+    quant=None: tensors in `dtype` (default: the checkpoint's float dtype; bfloat16 for fp8
+    checkpoints). quant="int8" / "int4" / "fp8": hmoe.quant.QuantizedWeights of the whole stack,
+    quantised one expert at a time (group_size as in hmoe.quant.quantize; "fp8" re-blocks with
+    `fp8_block`). fp8 checkpoints are dequantised with their weight_scale_inv first.
+    """
+    import torch
+
+    from . import quant as q
+
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"load_experts: layer must be a non-negative int, got {layer!r}")
+    if quant not in (None, "int8", "int4", "fp8"):
+        raise ValueError(f"load_experts: quant must be None, 'int8', 'int4' or 'fp8', got {quant!r}")
+    try:
+        names = _shards(path)
+    except ImportError as e:
+        raise ImportError(f"load_experts needs the safetensors package: {e}") from None
+    pre = prefix if prefix is not None else f"model.layers.{layer}.mlp.experts."
+    reader = _Reader(names)
+    ids = sorted({int(m.group(1)) for k in names if (m := re.match(re.escape(pre) + r"(\d+)\.", k))})
+    fused = pre + "gate_up_proj" in names
+    if not ids and not fused:
+        near = sorted({k.split(".mlp.")[0] for k in names if ".mlp." in k})[:5]
+        raise KeyError(f"load_experts: no routed experts under {pre!r} in {path!r} (MoE layers seen: "
+                       f"{near or 'none'})")
+    if fused:
+        gu, down = reader.get(pre + "gate_up_proj"), reader.get(pre + "down_proj")
+        E = gu.shape[0]
+        get = (lambda e: (gu[e].float(), down[e].float()))
+        src_dtype = gu.dtype
+    else:
+        E = len(ids)
+        if ids != list(range(E)):
+            missing = sorted(set(range(ids[-1] + 1)) - set(ids))
+            raise ValueError(f"load_experts: experts {missing[:10]} of layer {layer} are missing from {path!r}")
+
+        def get(e):
+            g, u, d = (_weight(reader, f"{pre}{e}.{n}.weight", fp8_block) for n in ("gate_proj", "up_proj",
+                                                                                     "down_proj"))
+            if g.shape != u.shape or d.shape != (g.shape[1], g.shape[0]):
+                raise ValueError(f"load_experts: expert {e}: gate {tuple(g.shape)}, up {tuple(u.shape)}, down "
+                                 f"{tuple(d.shape)} do not fit [I, H], [I, H], [H, I]")
+            return torch.cat([g, u]), d
+
+        src_dtype = reader.get(f"{pre}0.gate_proj.weight").dtype
+    if dtype is None:
+        dtype = torch.bfloat16 if src_dtype == torch.float8_e4m3fn else src_dtype
+    bar = _bar(E, f"layer {layer} experts", progress)
+    w13 = w2 = None
+    for e in range(E):
+        a, b = get(e)
+        if quant is None:
+            if w13 is None:
+                w13 = torch.empty((E, *a.shape), dtype=dtype)
+                w2 = torch.empty((E, *b.shape), dtype=dtype)
+            w13[e].copy_(a)
+            w2[e].copy_(b)
+        else:
+            kw = {"block": fp8_block} if quant == "fp8" else {"group_size": group_size}
+            qa, qb = q.quantize(a, quant, **kw), q.quantize(b, quant, **kw)
+            if w13 is None:
+                w13, w2 = _stack_like(qa, E), _stack_like(qb, E)
+            for dst, src in ((w13, qa), (w2, qb)):
+                dst.data[e].copy_(src.data)
+                dst.scales[e].copy_(src.scales)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if w13.shape[-1] != w2.shape[-2] or w13.shape[-2] != 2 * w2.shape[-1]:
+        raise ValueError(f"load_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit [E, 2I, H] and "
+                         "[E, H, I]")
+    return w13, w2
+
+
+def _stack_like(qw, E: int):
+    import torch
+
+    from .quant import QuantizedWeights
+
+    return QuantizedWeights(qw.format, torch.empty((E, *qw.data.shape), dtype=qw.data.dtype),
+                            torch.empty((E, *qw.scales.shape), dtype=qw.scales.dtype), (E, *qw.shape),
+                            group_size=qw.group_size, block=qw.block)
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"hmoe: {desc}", unit="expert", file=sys.stderr)
