@@ -182,7 +182,7 @@ def main(argv=None, prog="python -m hmoe.bench overhead") -> int:
             ref = next((x for x in rows if x["op"] == r["goal"][1] and x["device"] == r["device"] and "us" in x), None)
             if ref:
                 r["added_us"] = r["us"] - ref["us"]
-                r["verdict"] = (f"+{r['added_us']:.2f} us, <= {CUSTOM_OP_GOAL_US:.0f}: "
+                r["verdict"] = (f"{r['added_us']:+.2f} us, <= {CUSTOM_OP_GOAL_US:.0f}: "
                                 f"{'met' if r['added_us'] <= CUSTOM_OP_GOAL_US else 'NOT met'}")
             else:
                 r["verdict"] = f"no {r['goal'][1]} row to compare"

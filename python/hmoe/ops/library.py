@@ -1,25 +1,39 @@
 """hmoe's ops as torch custom ops (torch.library), for torch.compile(fullgraph=True) and export.
 
-Importing this module registers, once:
+Importing this module registers, once (importing again, or importlib.reload, reuses the registration):
 
   hmoe::grouped_topk(Tensor router_logits, int top_k, int n_group, int topk_group, str scoring,
                      Tensor? bias, bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)
+      weights fp32 [T, top_k], ids int32 [T, top_k] on router_logits' device (CPU and CUDA kernels)
   hmoe::moe_experts_cpu(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2,
                         str? isa) -> Tensor
+      [T, H] in x.dtype (CPU kernel)
   hmoe::cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed,
                            Tensor w2_packed, int[] dims, str? isa) -> Tensor
-      (what CPUExperts runs; dims = [weight dtype code, num_experts, hidden_size, intermediate_size])
+      what CPUExperts runs, dims = [weight dtype code, num_experts, hidden_size, intermediate_size]
+      (one int[] rather than four ints: fewer arguments to box); [T, H] in x.dtype (CPU kernel);
+      cpu_experts_op(experts, x, topk_ids, topk_weights) calls it for a CPUExperts
   hmoe::mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table,
                    Tensor seq_lens, float sm_scale, bool return_lse, str? variant) -> (Tensor, Tensor)
+      out [B, H, 512] in q's dtype and lse [B, H] fp32 when return_lse; without return_lse, lse is an
+      empty fp32 tensor of shape [0] (CUDA kernel)
 
-Each calls the eager op of hmoe.ops (same checks, same kernels, bit-identical results); each has a
-fake (meta) implementation that only derives the outputs' shapes, dtypes and devices, so tracing
-loads no native module. Custom ops are functional: there is no `out=` here, and mla_decode returns
-an empty fp32 tensor of shape [0] as lse when return_lse is False. They have no autograd formula
-(inference only; hmoe's ops have none either). They are defined through torch.library.Library with
-a kernel per device type (the dispatcher calls the eager op directly; torch.library.custom_op's
-autograd wrapper would add about 20 us a call). The module attributes (grouped_topk, ...) are the
-ops' default overloads. Importing hmoe or hmoe.ops does not import this module; hmoe.nn imports it.
+Each kernel calls the eager op of hmoe.ops (same checks, same kernels, bit-identical results). Each op
+has a fake (meta) implementation that derives the outputs' shapes, dtypes and devices only: it loads no
+native module and reads no data, and refuses a tensor of the wrong rank, dtype or device with the
+eager op's TypeError/ValueError and message. Custom ops are functional: there is no `out=` on this
+path (hmoe.ops' functions take it).
+
+Not differentiable (inference only, like hmoe.ops): the ops register torch's fallthrough at the
+Autograd key, as torch asks of non-differentiable ops, so their outputs never require grad, exactly
+as the eager ops' outputs; no gradient reaches the router or the inputs through them (hmoe.nn's
+HybridMoE warns when called with gradients enabled on inputs that require them).
+
+They are defined with torch.library.Library and a kernel per device type rather than with
+torch.library.custom_op, whose Python autograd wrapper costs about 20 us a call: this path adds the
+dispatcher's round trip into Python (`python -m hmoe.bench overhead` measures it). The module
+attributes (grouped_topk, ...) are the ops' default overloads. Importing hmoe or hmoe.ops does not
+import this module; hmoe.nn does.
 """
 from __future__ import annotations
 
@@ -32,23 +46,42 @@ from .mla import mla_decode as _mla
 from .topk import grouped_topk as _topk
 
 _NS = "hmoe"
-# Defined with torch.library.Library and a kernel per device type rather than torch.library.custom_op,
-# whose Python autograd wrapper costs about 20 us a call: this path adds a dispatcher round trip only.
-_lib = torch.library.Library(_NS, "DEF")
+# A namespace is defined once per process: importlib.reload keeps the first import's library and kernels.
+_reloaded = "_lib" in globals()
+if not _reloaded:
+    _lib = torch.library.Library(_NS, "DEF")
 
 
 def _define(schema: str, kernels: dict, fake):
     name = schema.split("(", 1)[0]
-    _lib.define(schema)
-    for dev, fn in kernels.items():
-        _lib.impl(name, fn, dev)
-    torch.library.register_fake(f"{_NS}::{name}", fake, lib=_lib)
+    if not _reloaded:
+        _lib.define(schema)
+        for dev, fn in kernels.items():
+            _lib.impl(name, fn, dev)
+        _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")  # not differentiable (docstring)
+        torch.library.register_fake(f"{_NS}::{name}", fake, lib=_lib)
     return getattr(getattr(torch.ops, _NS), name).default
 
 
-def _fake_check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+# The fake implementations' checks: the native entry points' checks of rank, dtype and device
+# (cpp/bind/tensors.cpp), which need neither data nor a native module, with the same types and messages.
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_HALVES = (torch.float16, torch.bfloat16)
+_IDS = (torch.int32, torch.int64)
+_WHERE = {"CPU": ("cpu",), "CUDA": ("cuda",), "CPU or CUDA": ("cpu", "cuda")}
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check(t, name: str, ndim: int, dtypes: tuple, where: str) -> None:
+    if ndim >= 0 and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {', '.join(map(_name, dtypes))}; got {_name(t.dtype)}")
+    if t.device.type not in _WHERE[where]:
+        raise ValueError(f"{name} must be on the {where}, got device {t.device}")
 
 
 def _grouped_topk(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor):
@@ -63,7 +96,13 @@ def _grouped_topk_cpu(*args):
 
 
 def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor):
-    _fake_check(router_logits.dim() == 2, f"grouped_topk: router_logits must be [T, E], got {router_logits.dim()}-d")
+    _check(router_logits, "grouped_topk: router_logits", 2, _FLOATS, "CPU or CUDA")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"grouped_topk: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if bias is not None:
+        if scoring != "sigmoid":
+            raise ValueError("grouped_topk: bias (e_score_correction_bias) is only used with scoring='sigmoid'")
+        _check(bias, "grouped_topk: bias", -1, _FLOATS, "CPU or CUDA")
     T = router_logits.shape[0]
     return (router_logits.new_empty((T, top_k), dtype=torch.float32),
             router_logits.new_empty((T, top_k), dtype=torch.int32))
@@ -75,8 +114,13 @@ grouped_topk = _define(
     {"CPU": _grouped_topk_cpu, "CUDA": _grouped_topk}, _grouped_topk_fake)
 
 
-def _experts_out(x):
-    _fake_check(x.dim() == 2, f"moe_experts: x must be [T, H], got {x.dim()}-d")
+def _experts_out(x, topk_ids, topk_weights, H):
+    """The fake result [T, H] in x.dtype, after the checks of the tokens (cpp/experts/experts_entry.h)."""
+    _check(x, "x", 2, _FLOATS, "CPU")
+    _check(topk_ids, "topk_ids", 2, _IDS, "CPU")
+    _check(topk_weights, "topk_weights", 2, (torch.float32,), "CPU")
+    if x.shape[1] != H:
+        raise ValueError(f"x has shape {tuple(x.shape)}: dimension 1 must be H (the experts' hidden size) = {H}")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -84,22 +128,41 @@ def _moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, isa):
     return _experts.moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, isa=isa)
 
 
+def _moe_experts_cpu_fake(x, topk_ids, topk_weights, w13, w2, isa):
+    _check(w13, "w13", 3, _FLOATS, "CPU")
+    _check(w2, "w2", 3, _FLOATS, "CPU")
+    if w13.dtype != w2.dtype:
+        raise TypeError(f"w13 and w2 must share a dtype, got {_name(w13.dtype)} and {_name(w2.dtype)}")
+    return _experts_out(x, topk_ids, topk_weights, w13.shape[2])
+
+
 moe_experts_cpu = _define(
     "moe_experts_cpu(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, str? isa) -> Tensor",
-    {"CPU": _moe_experts_cpu}, lambda x, topk_ids, topk_weights, w13, w2, isa: _experts_out(x))
+    {"CPU": _moe_experts_cpu}, _moe_experts_cpu_fake)
+
+
+def _dims_error(dims) -> ValueError:
+    return ValueError("cpu_experts_packed: dims must be [weight dtype code, num_experts, hidden_size, "
+                      f"intermediate_size], got {list(dims)}")
 
 
 def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
     mod = _experts.module(_experts.select(isa))  # both cached
-    code, E, H, I = dims
+    try:
+        code, E, H, I = dims
+    except ValueError:  # not four sizes
+        raise _dims_error(dims) from None
     return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, code, E, H, I, None,
                                   get_num_threads())
 
 
 def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
-    _fake_check(len(dims) == 4 and x.dim() == 2 and x.shape[1] == dims[2],
-                f"CPUExperts: x must be [T, {dims[2] if len(dims) == 4 else 'H'}], got {tuple(x.shape)}")
-    return _experts_out(x)
+    if len(dims) != 4:
+        raise _dims_error(dims)
+    H = dims[2]
+    _check(w13_packed, "w13 (packed)", 1, (torch.uint8,), "CPU")
+    _check(w2_packed, "w2 (packed)", 1, (torch.uint8,), "CPU")
+    return _experts_out(x, topk_ids, topk_weights, H)
 
 
 cpu_experts_packed = _define(
@@ -129,7 +192,10 @@ def _mla_decode_op(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_
 
 
 def _mla_decode_fake(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, return_lse, variant):
-    _fake_check(q_nope.dim() == 3, f"mla_decode: q_nope must be [B, H, 512], got {q_nope.dim()}-d")
+    for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
+        _check(t, name, 3, _HALVES, "CUDA")
+    _check(page_table, "page_table", 2, (torch.int32,), "CUDA")
+    _check(seq_lens, "seq_lens", 1, (torch.int32,), "CUDA")
     B, H, D = q_nope.shape
     return (q_nope.new_empty((B, H, D)), q_nope.new_empty((B, H) if return_lse else (0,), dtype=torch.float32))
 
