@@ -1,4 +1,4 @@
-# Tests for `python -m hmoe.bench experts`: runs the bench in-process on tiny shapes and checks its table and JSON.
+# Tests for `python -m hmoe.bench experts`: runs the bench in-process on tiny shapes and checks its CLI, table and JSON.
 import json
 import math
 import subprocess
@@ -11,17 +11,23 @@ torch = pytest.importorskip("torch")
 import hmoe  # noqa: E402
 from hmoe import _reference  # noqa: E402
 from hmoe.bench import experts as bench  # noqa: E402
-from hmoe.bench import membw  # noqa: E402
+from hmoe.bench import experts_run, kt_peer, membw  # noqa: E402
 
-# H, I multiples of 64 so any kernel blocking fits; K distinct experts out of E
-TINY = ["--shape-custom", "128,64,8,2", "--quick", "--copy-mib", "16", "--no-flush"]
+# H, I multiples of 64 so any kernel blocking fits; K distinct experts out of E. No peer: the
+# kt-kernel rows have their own tests (test_kt_peer.py).
+TINY = ["--shape-custom", "128,64,8,2", "--quick", "--copy-mib", "16", "--no-flush", "--idle-ms", "1",
+        "--peer", "none"]
 
 
-def run_bench(tmp_path, capsys, *extra):
+def run_bench(tmp_path, capsys, *extra, args=TINY):
     path = tmp_path / "out.json"
-    rc = bench.main([*TINY, "--json", str(path), *extra])
+    rc = bench.main([*args, "--json", str(path), *extra])
     out = capsys.readouterr().out
     return rc, out, json.loads(path.read_text())
+
+
+def table_rows(out):
+    return [line for line in out.splitlines() if line.startswith("custom ")]
 
 
 def test_lists_subcommands():
@@ -36,49 +42,147 @@ def test_lists_subcommands():
 def test_experts_help_lists_options():
     r = subprocess.run([sys.executable, "-m", "hmoe.bench", "experts", "--help"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    for opt in ("--shapes", "--tokens", "--dtypes", "--repeats", "--threads", "--isa", "--quick",
-                "--experts-resident", "--json"):
+    for opt in ("--shapes", "--tokens", "--formats", "--dtypes", "--int8-group", "--int4-group", "--peer",
+                "--peer-threads", "--idle-ms", "--repeats", "--threads", "--isa", "--quick", "--experts-resident",
+                "--json"):
         assert opt in r.stdout
 
 
+def test_cli_formats_and_flags(capsys):
+    opts = bench.parse_args([], "prog")
+    assert opts.formats == bench.DEFAULT_FORMATS.split(",") == ["bf16", "int8", "int4", "fp8"]
+    assert (opts.int8_group, opts.int4_group, opts.peer, opts.idle_ms) == (None, 128, "auto", 100.0)
+    opts = bench.parse_args(["--formats", "fp32,int4,fp8", "--int8-group", "64", "--int4-group", "32",
+                             "--peer", "none", "--peer-threads", "3", "--idle-ms", "0"], "prog")
+    assert opts.formats == ["fp32", "int4", "fp8"]
+    assert (opts.int8_group, opts.int4_group, opts.peer, opts.peer_threads, opts.idle_ms) == (64, 32, "none", 3, 0)
+    assert bench.parse_args(["--dtypes", "bf16,fp16"], "prog").formats == ["bf16", "fp16"]  # the older name
+    bad = (["--formats", "bf16,int3"], ["--formats", ","], ["--int4-group", "100"], ["--int8-group", "7"],
+           ["--peer", "llama"], ["--idle-ms", "-1"], ["--peer-threads", "0"], ["--tokens", "0"])
+    for argv in bad:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv, "prog")
+        assert e.value.code == 2, argv
+    assert "unknown format(s) ['int3']" in capsys.readouterr().err
+
+
+def test_peer_choice_says_why(monkeypatch, capsys):
+    def unavailable():
+        raise kt_peer.KtUnavailable("no kt_kernel folder on sys.path")
+
+    monkeypatch.setattr(kt_peer, "load", unavailable)
+    assert bench.resolve_peer("auto") == (None, "peer: none (kt-kernel is not available: no kt_kernel folder on sys.path)")
+    assert bench.resolve_peer("none") == (None, "peer: none (--peer none)")
+    with pytest.raises(kt_peer.KtUnavailable):
+        bench.resolve_peer("kt-kernel")
+    rc = bench.main([*TINY[:-2], "--peer", "kt-kernel", "--formats", "fp32", "--tokens", "1"])
+    assert rc == 2 and "no kt_kernel folder on sys.path" in capsys.readouterr().err
+
+
 def test_tiny_run_table_and_json(tmp_path, capsys):
-    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "1,3,33", "--dtypes", "bf16,fp16,fp32")
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "1,3,33", "--formats", "bf16,fp16,fp32")
     assert rc == 0, out
-    table = [line for line in out.splitlines() if line.startswith("custom ")]
+    table = table_rows(out)
     assert len(table) == len(data["results"]) and not any("FAIL" in line for line in table)
-    assert "ms(med)" in out and "bytes read + bytes written" in out
-    copy = data["copy_bandwidth"]
+    for title in ("cold ms", "b2b ms", "MB/call", "%read", "b2b%rd", "err(fp32 ref)", "check"):
+        assert title in out
+    assert "read bandwidth:" in out and "the decode ceiling" in out and "bytes read + bytes written" in out
+    read, copy = data["read_bandwidth"], data["copy_bandwidth"]
+    assert read["gbps"] > 0 and read["counts"] == "bytes read"
     assert copy["gbps"] > 0 and copy["bytes_counted_per_copy"] == 2 * copy["bytes_buffer"]
+    assert data["meta"]["cpu"] and data["meta"]["threads_hmoe"] >= 1 and data["meta"]["peer"] is None
     rows = data["results"]
-    impls = {(r["T"], r["dtype"], r["impl"]) for r in rows}
+    impls = {(r["T"], r["format"], r["impl"]) for r in rows}
     for T in (1, 3, 33):
-        for d in ("bf16", "fp16", "fp32"):
-            assert (T, d, "torch-loop") in impls and (T, d, "CPUExperts") in impls
+        for f in ("bf16", "fp16", "fp32"):
+            assert (T, f, "torch-loop") in impls and (T, f, "CPUExperts") in impls
             # the functional API runs on decode rows only
-            assert ((T, d, "moe_experts_cpu") in impls) == (T <= bench.DECODE_MAX_T)
-    dt = lambda r: bench.torch_dtype(r["dtype"])  # noqa: E731
+            assert ((T, f, "moe_experts_cpu") in impls) == (T <= bench.DECODE_MAX_T)
     for r in rows:
         assert "error" not in r, r
-        assert r["ms"] > 0 and r["gbps"] > 0 and r["copy_frac"] > 0 and r["speedup"] > 0
-        assert math.isfinite(r["ms"]) and r["repeats"] >= 1 and len(r["ms_all"]) == r["repeats"]
-        assert r["threads"] >= 1 and r["isa"]
-        # distinct experts hit: at least K, at most E
-        per_expert = 3 * 128 * 64 * {"bf16": 2, "fp16": 2, "fp32": 4}[r["dtype"]]
-        assert 2 * per_expert <= r["bytes_hit_mean"] <= 8 * per_expert
+        for key in ("ms", "b2b_ms", "gbps", "b2b_gbps", "read_frac", "b2b_read_frac", "speedup", "gflops"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["repeats"] >= 1 and len(r["ms_all"]) == len(r["b2b_ms_all"]) == r["repeats"]
+        assert all(t > 0 for t in r["ms_all"] + r["b2b_ms_all"])
+        assert r["read_frac"] == pytest.approx(r["gbps"] / read["gbps"])
+        assert r["threads"] >= 1 and r["isa"] and r["x_dtype"] == r["format"]
+        # distinct experts hit: at least K, at most E; each impl counts its own storage
+        elt = {"bf16": 2, "fp16": 2, "fp32": 4}[r["format"]]
+        assert r["bytes_per_expert"] >= 3 * 128 * 64 * elt
+        assert 2 * r["bytes_per_expert"] <= r["bytes_hit_mean"] <= 8 * r["bytes_per_expert"]
+        assert 0 < r["err_fp64"] < 5e-2
         if r["impl"] == "torch-loop":
-            assert r["speedup"] == 1.0
+            assert r["speedup"] == 1.0 and "check" not in r
         else:
-            c = r["check"]
-            assert c["ok"] and c["rel_err"] <= _reference.tolerance("moe_experts_vs_torch_loop", dt(r), w_dtype=dt(r)), r
-            assert f"ok {c['rel_err']:.1e}" in out
+            c, dt = r["check"], bench.torch_dtype(r["format"])
+            assert c["ok"] and c["rel_err"] <= _reference.tolerance("moe_experts", dt, w_dtype=dt) == c["tol"], r
+            assert c["tokens"] == r["T"] and f"ok {c['rel_err']:.1e}" in out
     assert data["failures"] == 0 and not data["skipped"]
     isa = {r["isa"] for r in rows if r["impl"] == "CPUExperts"}
     assert len(isa) == 1 and isa != {"auto"}
 
 
+def test_err_column_against_an_independent_reference(tmp_path, capsys, monkeypatch):
+    real = hmoe.CPUExperts
+    seen = {}
+
+    class Recording:  # the real CPUExperts, recording the weights and every call
+        def __init__(self, w13, w2, *, isa=None):
+            seen["w"] = (w13.clone(), w2.clone())
+            seen["calls"] = []
+            self._real = real(w13, w2, isa=isa)
+            self.isa, self.packed_bytes = self._real.isa, self._real.packed_bytes
+
+        def __call__(self, x, ids, weights):
+            out = self._real(x, ids, weights)
+            seen["calls"].append((x.clone(), ids.clone(), weights.clone(), out.clone()))
+            return out
+
+    monkeypatch.setattr(hmoe, "CPUExperts", Recording)
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "5", "--formats", "bf16", "--warmup", "1")
+    assert rc == 0, out
+    (row,) = [r for r in data["results"] if r["impl"] == "CPUExperts"]
+    x, ids, wts, got = seen["calls"][1]  # after the one warm-up call: the first cold call
+    w13, w2 = (w.double() for w in seen["w"])
+    I = w2.shape[2]
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            g, u = w13[e, :I] @ x[t].double(), w13[e, I:] @ x[t].double()
+            ref[t] += float(wts[t, k]) * (w2[e] @ (g * torch.sigmoid(g) * u))
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert row["err_fp64"] == pytest.approx(err, rel=1e-9) and 0 < err < 2e-2
+    assert f"{err:.1e}" in [line for line in table_rows(out) if "CPUExperts" in line][0]
+
+
+def test_quantised_formats_never_crash_the_bench(tmp_path, capsys, monkeypatch):
+    real = hmoe.CPUExperts
+
+    class FloatOnly:  # an hmoe without quantised kernels: CPUExperts refuses QuantizedWeights
+        def __new__(cls, w13, w2, *, isa=None):
+            if not isinstance(w13, torch.Tensor):
+                raise TypeError(f"w13 must be a torch.Tensor, got {type(w13).__name__}")
+            return real(w13, w2, isa=isa)
+
+    monkeypatch.setattr(hmoe, "CPUExperts", FloatOnly)
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "1,3", "--formats", "fp32,int8,int4,fp8",
+                              "--int4-group", "32", args=[TINY[0], "256,128,8,2", *TINY[2:]])
+    assert rc == 1
+    rows = data["results"]
+    for f in ("int8", "int4", "fp8"):
+        bad = [r for r in rows if r["format"] == f]
+        assert {r["impl"] for r in bad} == {"CPUExperts"} and len(bad) == 2
+        assert all(r["error"].startswith("CPUExperts: TypeError: w13 must be a torch.Tensor") for r in bad)
+        assert all(r["weights_from"] == "bf16" and r["x_dtype"] == "bf16" for r in bad)
+    assert sum("FAIL error: CPUExperts: TypeError" in line for line in table_rows(out)) == 6
+    assert all("error" not in r and r["check"]["ok"] for r in rows if r["format"] == "fp32" and r["impl"] != "torch-loop")
+    assert data["failures"] == 6 and "6 FAILED" in out
+
+
 def test_wrong_results_are_flagged(tmp_path, capsys, monkeypatch):
     class ZeroExperts:  # the failure the bench must catch: empty output for a dtype
-        isa = "broken"
+        isa, packed_bytes = "broken", 8 * 3 * 128 * 64 * 2
 
         def __init__(self, w13, w2, *, isa=None):
             pass
@@ -87,15 +191,17 @@ def test_wrong_results_are_flagged(tmp_path, capsys, monkeypatch):
             return torch.zeros_like(x)
 
     monkeypatch.setattr(hmoe, "CPUExperts", ZeroExperts)
-    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "33", "--dtypes", "bf16")
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "33", "--formats", "bf16")
     assert rc == 1
     assert "FAIL rel_err 1.0e+00" in out
     assert data["failures"] == 1
+    (row,) = [r for r in data["results"] if r["impl"] == "CPUExperts"]
+    assert row["err_fp64"] == pytest.approx(1.0)
 
 
 def test_wrong_dtype_is_flagged(tmp_path, capsys, monkeypatch):
     class Fp32Experts:  # right numbers, wrong output dtype (contract: result in x.dtype)
-        isa = "fp32out"
+        isa, packed_bytes = "fp32out", 8 * 3 * 128 * 64 * 2
 
         def __init__(self, w13, w2, *, isa=None):
             self.w13, self.w2 = w13, w2
@@ -104,16 +210,45 @@ def test_wrong_dtype_is_flagged(tmp_path, capsys, monkeypatch):
             return bench.torch_expert_loop(x, ids, weights, self.w13, self.w2).float()
 
     monkeypatch.setattr(hmoe, "CPUExperts", Fp32Experts)
-    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "33", "--dtypes", "bf16")
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "33", "--formats", "bf16")
     assert rc == 1 and "FAIL" in out and "torch.float32" in out
 
 
 def test_skips_what_does_not_fit(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(membw, "mem_available_bytes", lambda: 1 << 20)
-    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "1", "--dtypes", "fp32")
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "1", "--formats", "fp32,int4")
     assert rc == 0
-    assert "skip custom fp32: needs" in out
-    assert data["skipped"] and not data["results"]
+    assert "skip custom fp32: needs" in out and "skip custom int4: needs" in out
+    assert [s["format"] for s in data["skipped"]] == ["fp32", "int4"] and not data["results"]
+
+
+def test_time_block_cold_then_back_to_back():
+    log = []
+
+    class Opts:
+        warmup, repeats, min_repeats, time_budget = 1, 3, 1, 60.0
+
+    def fn(r):
+        log.append(("call", r))
+        return r * 10
+
+    cold, b2b, first = experts_run.time_block(fn, lambda r: (r,), Opts, lambda: log.append(("gap",)))
+    assert first == 0 and len(cold) == len(b2b) == 3 and all(t > 0 for t in cold + b2b)
+    # warm-up, a gap before every cold call, one untimed call, then the same batches without gaps
+    assert log == [("call", -1), ("gap",), ("call", 0), ("gap",), ("call", 1), ("gap",), ("call", 2),
+                   ("call", 2), ("call", 0), ("call", 1), ("call", 2)]
+
+
+def test_grouped_reference_is_the_reference_module():
+    shape = bench.Shape("t", 64, 32, 6, 3, 6)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w13, w2 = bench.make_weights(shape, dtype, 1, lambda m: None)
+        x, ids, wts = bench.make_inputs(shape, 7, dtype, 2)
+        for contract in (False, True):
+            want = _reference.moe_experts(x, ids, wts, w13, w2, contract=contract)
+            got = experts_run.reference_fp64(x, ids, wts, w13, w2,
+                                             bf16_activations=contract and dtype == torch.bfloat16)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_torch_loop_matches_fp64_formula():
@@ -130,6 +265,15 @@ def test_torch_loop_matches_fp64_formula():
     got = bench.torch_expert_loop(x, ids, wts, w13, w2)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_memory_estimate_grows_with_what_is_held():
+    s = bench.SHAPES["v2lite"]
+    bf16_need, how = bench.memory_needed(s, "bf16", with_peer=False)
+    assert bf16_need > 2 * s.weight_bytes(2) and "weights" in how
+    assert bench.memory_needed(s, "bf16", with_peer=True)[0] > bf16_need  # kt's copies come on top
+    assert bench.memory_needed(s, "fp32", with_peer=False)[0] > bf16_need
+    assert bench.memory_needed(s, "int4", with_peer=False)[0] >= 3 * s.weight_bytes(2)  # quantize's fp32 temporary
 
 
 def test_memory_helpers_are_sane():

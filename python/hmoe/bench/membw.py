@@ -157,12 +157,13 @@ class CacheFlusher:
     the previous call's expert weights still cached (a real model runs other layers between).
     It reads rather than copies: a copy leaves the cache full of dirty lines whose write-backs
     then eat into the next timed call's bandwidth, which penalises the faster call the most.
-    Then it idles 10 ms: torch's OpenMP workers spin after the read (GNU OpenMP's default wait
-    policy) and would take the cores from whichever implementation runs next; both the torch
-    loop and hmoe start from a quiet machine this way."""
+    Then it idles `idle_s` (default 10 ms): torch's OpenMP workers spin after the read (GNU
+    OpenMP's default wait policy) and would take the cores from whichever implementation runs
+    next; both the torch loop and hmoe start from a quiet machine this way. Pass a longer idle
+    where other thread pools spin longer (kt-kernel's workers: about 50 ms)."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, idle_s: float = 0.01):
+        self.enabled, self.idle_s = enabled, idle_s
         if enabled:
             import torch
 
@@ -172,7 +173,8 @@ class CacheFlusher:
     def __call__(self) -> None:
         if self.enabled:
             self._src.sum()
-            time.sleep(0.01)
+        if self.idle_s > 0:
+            time.sleep(self.idle_s)
 
 
 def cuda_event_ms(fn, repeats: int, before=None) -> list[float]:

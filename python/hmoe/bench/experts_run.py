@@ -1,0 +1,379 @@
+# What `python -m hmoe.bench experts` measures: weights, routed batches, implementations, their timed blocks, accuracy.
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import time
+
+from hmoe import _reference
+from hmoe.bench import kt_peer
+
+FLOAT_FORMATS = ("bf16", "fp16", "fp32")  # the weights as they are, in that dtype
+QUANT_FORMATS = ("int8", "int4", "fp8")  # hmoe.quant of bf16 weights (a real checkpoint's dtype)
+FORMATS = FLOAT_FORMATS + QUANT_FORMATS
+DECODE_MAX_T = 16  # the functional API is measured on decode rows only (it may pack per call)
+BLOCK_GAP_S = 0.1  # idle between two implementations' blocks: longer than kt's workers spin
+QUANT_CHECK_TOKENS = 4  # the quantised contract reference goes token by token: check the first ones
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def weight_dtype_name(fmt: str) -> str:
+    """The dtype of the original weights a format is made from."""
+    return fmt if fmt in FLOAT_FORMATS else "bf16"
+
+
+def torch_expert_loop(x, topk_ids, topk_weights, w13, w2):
+    """The HF-style baseline (transformers' Mixtral / DeepseekV3 MoE loop): for each expert hit,
+    gather its tokens, run the expert MLP in the weights' dtype, scale by the routing weight and
+    index_add into the output. Every step rounds to that dtype, as HF does."""
+    import torch
+    import torch.nn.functional as F
+
+    inter = w2.shape[2]
+    xw = x.to(w13.dtype)  # a no-op by default (same dtype); the loop cannot mix dtypes
+    out = torch.zeros_like(xw)
+    for e in torch.unique(topk_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == e)
+        x_e = xw[token_idx]
+        w_gate, w_up, w_down = w13[e, :inter], w13[e, inter:], w2[e]
+        h = F.silu(x_e @ w_gate.T) * (x_e @ w_up.T)
+        y_e = h @ w_down.T
+        # HF casts the fp32 routing weights to the activation dtype before scaling
+        y_e = y_e * topk_weights[token_idx, slot, None].to(y_e.dtype)
+        out.index_add_(0, token_idx, y_e)
+    return out.to(x.dtype)
+
+
+def make_weights(shape, dtype, seed: int, progress):
+    """Random (never zero) weights with 1/sqrt(fan_in) scale so activations stay O(1) in fp16.
+    Filled one expert at a time: a full-size fp32 temporary would not fit next to V3."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    H, I, E = shape.hidden, shape.inter, shape.experts
+    w13 = torch.empty(E, 2 * I, H, dtype=dtype)
+    w2 = torch.empty(E, H, I, dtype=dtype)
+    for e in range(E):
+        w13[e].normal_(0.0, H**-0.5, generator=g)
+        w2[e].normal_(0.0, I**-0.5, generator=g)
+        if (e + 1) % 16 == 0 and e + 1 < E:
+            progress(f"  weights: {e + 1}/{E} experts")
+    return w13, w2
+
+
+def make_inputs(shape, T: int, dtype, seed: int):
+    """One routed batch: x, K distinct expert ids per token (uniformly random, like a random
+    permutation's first K), positive routing weights summing to 1 per token."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, shape.hidden, generator=g).to(dtype)
+    ids = torch.rand(T, shape.experts, generator=g).argsort(dim=1)[:, : shape.top_k].to(torch.int32)
+    w = torch.rand(T, shape.top_k, generator=g) + 0.1
+    return x, ids.contiguous(), (w / w.sum(dim=1, keepdim=True)).contiguous()
+
+
+def quantise(fmt: str, w13, w2, opts):
+    """hmoe.quant of both weights (int8: --int8-group, None = per row; int4: --int4-group; fp8:
+    (128, 128) blocks)."""
+    from hmoe import quant
+
+    kw = {} if fmt == "fp8" else {"group_size": opts.int8_group if fmt == "int8" else opts.int4_group}
+    return quant.quantize(w13, fmt, **kw), quant.quantize(w2, fmt, **kw)
+
+
+def reference_fp64(x, topk_ids, topk_weights, w13, w2, *, bf16_activations: bool = False):
+    """fp64 [T, H]: the math of hmoe._reference.moe_experts, grouped by expert so that each expert's
+    weights are converted to fp64 once (the token-by-token reference converts them per token, too
+    slow at V3's sizes). bf16_activations rounds the activations entering each matmul to bf16, as
+    hmoe's contract does for bf16 weights (moe_experts(contract=True))."""
+    import torch
+    import torch.nn.functional as F
+
+    inter = w2.shape[2]
+
+    def act(v):
+        return v.to(torch.bfloat16).double() if bf16_activations else v
+
+    xd = act(x.double())
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for e in torch.unique(topk_ids).tolist():
+        tokens, slots = torch.where(topk_ids == e)
+        h = xd[tokens] @ w13[e].double().T
+        y = act(F.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].double().T
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots].double()[:, None])
+    return out
+
+
+def rel_err(out, ref) -> float | None:
+    """Normwise relative error of out against ref (inf for non-finite output, None for a wrong shape)."""
+    import torch
+
+    if out is None or tuple(out.shape) != tuple(ref.shape):
+        return None
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    return (out.double() - ref).norm().item() / max(ref.norm().item(), 1e-30)
+
+
+def check(out, ref, x, tol: float, **extra) -> dict:
+    """An output against a contract reference: dtype and shape by contract, then the error."""
+    if out.dtype != x.dtype or tuple(out.shape) != tuple(ref.shape):
+        return {"ok": False, "rel_err": None, "tol": tol, **extra,
+                "why": f"got {out.dtype} {tuple(out.shape)}, want {x.dtype} {tuple(ref.shape)}"}
+    err = rel_err(out, ref)
+    finite = math.isfinite(err)
+    return {"ok": finite and err <= tol, "rel_err": err, "tol": tol, **extra, "why": "" if finite else "non-finite output"}
+
+
+def quantised_check(out, x, ids, weights, qw13, qw2) -> dict:
+    """hmoe's quantised output against hmoe._reference's contract reference for the format, on the
+    first QUANT_CHECK_TOKENS tokens and only the experts they hit (that reference goes token by
+    token and converts an expert's weights per token); ok=None with the reason where hmoe has no
+    such reference."""
+    import torch
+
+    n = min(x.shape[0], QUANT_CHECK_TOKENS)
+    hit, local_ids = torch.unique(ids[:n], return_inverse=True)
+    try:
+        sub13, sub2 = (_expert_subset(qw, hit) for qw in (qw13, qw2))
+        ref = _reference.moe_experts(x[:n], local_ids, weights[:n], sub13, sub2)
+        tol = _reference.tolerance("moe_experts", x.dtype, w_dtype=qw13.format)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        why = f"hmoe._reference has no {qw13.format} contract reference ({type(e).__name__}: {e})"
+        return {"ok": None, "rel_err": None, "tol": None, "tokens": n, "why": why.splitlines()[0]}
+    return check(out[:n], ref, x, tol, tokens=n)
+
+
+def _expert_subset(qw, experts):
+    """QuantizedWeights of the given experts only (same format, groups, blocks)."""
+    from hmoe import quant
+
+    return quant.QuantizedWeights(qw.format, qw.data[experts], qw.scales[experts], (len(experts), *qw.shape[1:]),
+                                  group_size=qw.group_size, block=qw.block)
+
+
+@dataclasses.dataclass
+class Context:
+    """What every (shape, format) run shares."""
+    opts: object
+    read_gbps: float
+    emit: object  # emit(row): prints and keeps a row
+    progress: object
+    gap: object  # the idle (and cache eviction) before each cold call
+    kt: kt_peer.KtKernel | None
+
+
+def time_block(fn, inputs, opts, gap):
+    """One implementation's block of calls on one routed-batch sequence: warm-up, then cold calls
+    (inputs(r) for r = 0, 1, ..., gap() before each; stops after --time-budget once min_repeats are
+    done), then the same batches back to back (one untimed call first so that the block does not
+    start from the last gap). Returns (cold s, back-to-back s, output of the first cold call)."""
+    for i in range(opts.warmup):
+        t0 = time.perf_counter()
+        fn(*inputs(-1 - i))
+        if time.perf_counter() - t0 > 1.0:
+            break  # one slow call has already paid every first-use cost
+    cold, first = [], None
+    start = time.perf_counter()
+    for r in range(opts.repeats):
+        args = inputs(r)
+        gap()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        cold.append(time.perf_counter() - t0)
+        if first is None:
+            first = out
+        if len(cold) >= opts.min_repeats and time.perf_counter() - start > opts.time_budget:
+            break
+    fn(*inputs(len(cold) - 1))
+    b2b = []
+    for r in range(len(cold)):
+        args = inputs(r)
+        t0 = time.perf_counter()
+        fn(*args)
+        b2b.append(time.perf_counter() - t0)
+    return cold, b2b, first
+
+
+def timing_fields(cold, b2b, hits, bytes_per_expert, read_gbps, shape, T) -> dict:
+    """A row's numbers from a block's times; hits[r] = distinct experts of batch r."""
+    bytes_hit = [h * bytes_per_expert for h in hits[: len(cold)]]
+    ms, b2b_ms = 1e3 * statistics.median(cold), 1e3 * statistics.median(b2b)
+    gbps = statistics.median(b / t for b, t in zip(bytes_hit, cold)) / 1e9
+    b2b_gbps = statistics.median(b / t for b, t in zip(bytes_hit, b2b)) / 1e9
+    return {"repeats": len(cold), "ms": ms, "ms_min": 1e3 * min(cold), "ms_all": [1e3 * t for t in cold],
+            "b2b_ms": b2b_ms, "b2b_ms_min": 1e3 * min(b2b), "b2b_ms_all": [1e3 * t for t in b2b],
+            "bytes_per_expert": bytes_per_expert, "bytes_hit_mean": statistics.mean(bytes_hit),
+            "gbps": gbps, "b2b_gbps": b2b_gbps,
+            "read_frac": gbps / read_gbps if read_gbps else None,
+            "b2b_read_frac": b2b_gbps / read_gbps if read_gbps else None,
+            # 3 matmuls of H x I per (token, expert) pair: prefill is bound by this, not GB/s
+            "gflops": 6 * shape.hidden * shape.inter * T * shape.top_k / (ms * 1e6)}
+
+
+def measure(row, fn, inputs, hits, bytes_per_expert, ctx, shape, T):
+    """Times one implementation's block into row; returns the first cold call's output (None on error)."""
+    from hmoe.bench import membw
+
+    ctx.progress(f"{shape.name} T={T} {row['format']}: {row['impl']}")
+    time.sleep(BLOCK_GAP_S)
+    load = membw.OtherLoad()
+    try:
+        cold, b2b, out = time_block(fn, inputs, ctx.opts, ctx.gap)
+    except Exception as e:  # reported in the table; the other implementations still run
+        row["error"] = f"{type(e).__name__}: {e}"
+        return None
+    row["other_load"] = load.fraction()
+    row.update(timing_fields(cold, b2b, hits, bytes_per_expert, ctx.read_gbps, shape, T))
+    return out
+
+
+def run_kt(shape, fmt, w13, w2, inputs, hits, base, ctx):
+    """kt-kernel's block per T, before anything of hmoe's exists; kt is torn down before returning.
+    Returns {T: (row, first output)}."""
+    opts, kt = ctx.opts, ctx.kt
+    rows = {T: dict(base[T], impl="kt-kernel", isa=kt.variant, threads=opts.peer_threads, x_dtype="bf16")
+            for T in opts.tokens}
+    try:
+        name, _ = kt_peer.pick_class(kt, fmt)
+    except kt_peer.KtUnsupported as e:
+        return {T: (dict(row, unsupported=str(e)), None) for T, row in rows.items()}
+    ctx.progress(f"{shape.name} {fmt}: kt-kernel {name} loads the weights")
+    try:
+        t0 = time.perf_counter()
+        experts = kt_peer.KtExperts(kt, fmt, w13, w2, top_k=shape.top_k, threads=opts.peer_threads,
+                                    max_tokens=max(opts.tokens), int4_group=opts.int4_group)
+        load_s = time.perf_counter() - t0
+    except Exception as e:
+        return {T: (dict(row, impl=f"kt {name}", error=f"kt-kernel {name}: {type(e).__name__}: {e}"), None)
+                for T, row in rows.items()}
+    out = {}
+    try:
+        for T in opts.tokens:
+            row = dict(rows[T], impl=f"kt {name}", kt_class=name, kt_weights=experts.weights_note, prepack_s=load_s)
+            kt_inputs = functools.lru_cache(maxsize=None)(lambda r, T=T: experts.prepare(*inputs[T](r)))
+            first = measure(row, experts, kt_inputs, hits[T], experts.bytes_per_expert, ctx, shape, T)
+            out[T] = (row, first)
+    finally:
+        experts.close()
+        time.sleep(BLOCK_GAP_S)
+    return out
+
+
+def hmoe_impls(fmt, w13, w2, opts, progress, shape):
+    """The implementations measured in-process, [(impl, isa, fn, error, bytes per expert)]: hmoe's
+    CPUExperts and, for float formats, the torch loop and moe_experts_cpu; then the quantised
+    weights (None for float formats) and the CPUExperts facts for the rows."""
+    import hmoe
+
+    quantised, isa, experts, err = None, opts.isa or "auto", None, None
+    try:
+        if fmt in QUANT_FORMATS:
+            progress(f"{shape.name} {fmt}: hmoe.quant")
+            quantised = quantise(fmt, w13, w2, opts)
+        progress(f"{shape.name} {fmt}: CPUExperts prepack")
+        t0 = time.perf_counter()
+        experts = hmoe.CPUExperts(*(quantised or (w13, w2)), isa=opts.isa)
+        prepack_s = time.perf_counter() - t0
+        isa = str(experts.isa)
+    except Exception as e:  # e.g. a format this hmoe does not take yet: a row error, the rest still runs
+        err, prepack_s = f"CPUExperts: {type(e).__name__}: {e}", None
+    row_major = 3 * shape.hidden * shape.inter * w13.element_size()
+    packed = experts.packed_bytes // shape.experts if experts is not None else None
+    impls = []
+    if fmt in FLOAT_FORMATS:
+        impls.append(("torch-loop", "torch", lambda x, i, w: torch_expert_loop(x, i, w, w13, w2), None, row_major))
+    impls.append(("CPUExperts", isa, experts, err, packed))
+    if fmt in FLOAT_FORMATS:
+        impls.append(("moe_experts_cpu", isa,
+                      lambda x, i, w: hmoe.ops.moe_experts_cpu(x, i, w, w13, w2, isa=opts.isa), None, row_major))
+    info = {"prepack_s": prepack_s, "packed_bytes": experts.packed_bytes if experts is not None else None,
+            "hmoe_format": getattr(experts, "format", fmt if experts is not None else None)}
+    return impls, quantised, info
+
+
+def run_shape_format(shape, fmt, w13, w2, ctx):
+    """Every T for one (shape, format): kt-kernel's blocks first (then torn down), then the torch
+    loop's and hmoe's, each in its own block; rows are printed per T once all are measured."""
+    import torch
+
+    opts = ctx.opts
+    xname = weight_dtype_name(fmt) if opts.act_dtype == "same" else opts.act_dtype
+    xdt = torch_dtype(xname)
+    inputs = {T: functools.lru_cache(maxsize=None)(
+        lambda r, T=T: make_inputs(shape, T, xdt, opts.seed * 1_000_003 + T * 7919 + r)) for T in opts.tokens}
+    hits = {T: [torch.unique(inputs[T](r)[1]).numel() for r in range(opts.repeats)] for T in opts.tokens}
+    base = {T: {"shape": shape.name, "H": shape.hidden, "I": shape.inter, "E": shape.experts,
+                "E_total": shape.experts_total, "K": shape.top_k, "T": T, "format": fmt,
+                "weights_from": weight_dtype_name(fmt), "x_dtype": xname} for T in opts.tokens}
+    if fmt == "int8":
+        group = {"group_size": opts.int8_group}
+    elif fmt == "int4":
+        group = {"group_size": opts.int4_group}
+    else:
+        group = {}
+    peer = run_kt(shape, fmt, w13, w2, inputs, hits, base, ctx) if ctx.kt is not None else {}
+    impls, quantised, info = hmoe_impls(fmt, w13, w2, opts, ctx.progress, shape)
+    for T in opts.tokens:
+        measured = []
+        for name, isa, fn, err, per_expert in impls:
+            if name == "moe_experts_cpu" and T > DECODE_MAX_T:
+                continue
+            row = dict(base[T], **group, impl=name, isa=isa, threads=opts.threads)
+            if name != "torch-loop":
+                row.update(info)
+            out = None
+            if fn is None or err:
+                row["error"] = err or "not available"
+            else:
+                out = measure(row, fn, inputs[T], hits[T], per_expert, ctx, shape, T)
+            measured.append((row, out))
+        if T in peer:
+            measured.append(peer[T])
+        _accuracy(measured, inputs[T](0), w13, w2, quantised, fmt)
+        _ratios([row for row, _ in measured])
+        for row, _ in measured:
+            ctx.emit(row)
+    for f in inputs.values():
+        f.cache_clear()
+
+
+def _accuracy(measured, batch, w13, w2, quantised, fmt):
+    """err_fp64 of every row; hmoe's contract check (float formats: every token against the
+    rounding-aware fp64 reference; quantised: hmoe._reference's, on the first tokens)."""
+    import torch
+
+    x, ids, weights = batch
+    if not any(out is not None for _, out in measured):
+        return
+    ref = reference_fp64(x, ids, weights, w13, w2)
+    contract_ref = (reference_fp64(x, ids, weights, w13, w2, bf16_activations=True)
+                    if w13.dtype == torch.bfloat16 and fmt in FLOAT_FORMATS else ref)
+    for row, out in measured:
+        if out is None:
+            continue
+        row["err_fp64"] = rel_err(out, ref)
+        if row["impl"] in ("CPUExperts", "moe_experts_cpu"):
+            if quantised is None:
+                tol = _reference.tolerance("moe_experts", x.dtype, w_dtype=w13.dtype)
+                row["check"] = check(out, contract_ref, x, tol, tokens=x.shape[0])
+            else:
+                row["check"] = quantised_check(out, x, ids, weights, *quantised)
+
+
+def _ratios(rows):
+    """vs torch and vs kt: the torch loop's and kt-kernel's cold ms over each row's."""
+    by = {r["impl"].split()[0]: r.get("ms") for r in rows if not r.get("error")}
+    torch_ms, kt_ms = by.get("torch-loop"), by.get("kt")
+    for r in rows:
+        if r.get("ms"):
+            r["speedup"] = torch_ms / r["ms"] if torch_ms else None
+            r["vs_kt"] = kt_ms / r["ms"] if kt_ms else None
