@@ -201,6 +201,8 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
           f"threads: hmoe {meta['threads_hmoe']}, torch {meta['threads_torch']}"
           + (f", kt-kernel {opts.peer_threads}" if kt else ""))
     print(peer_line)
+    if kt:
+        print("kt-kernel's formats: " + "; ".join(_peer_format(kt, f, opts) for f in opts.formats))
     if busy is not None and busy > 0.2:
         print(f"WARNING: other load kept the CPUs {100 * busy:.0f}% busy before the run: timings are noisy")
     print(f"read bandwidth: {read['gbps']:.1f} GB/s  (the decode ceiling: {read['method']}, "
@@ -254,6 +256,14 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
         weights = None
         gc.collect()
     return _finish(opts, meta, read, copy, rows, skipped)
+
+
+def _peer_format(kt, fmt, opts) -> str:
+    try:
+        name, handover = kt_peer.pick_class(kt, fmt)
+    except kt_peer.KtUnsupported:
+        return f"{fmt} none"
+    return f"{fmt} {name} ({kt_peer.WEIGHTS_NOTE[handover].format(g=opts.int4_group)})"
 
 
 def _offers(kt, fmt) -> bool:

@@ -274,18 +274,19 @@ def hmoe_impls(fmt, w13, w2, opts, progress, shape):
     weights (None for float formats) and the CPUExperts facts for the rows."""
     import hmoe
 
-    quantised, isa, experts, err = None, opts.isa or "auto", None, None
+    quantised, isa, experts, err, step = None, opts.isa or "auto", None, None, "hmoe.quant"
     try:
         if fmt in QUANT_FORMATS:
             progress(f"{shape.name} {fmt}: hmoe.quant")
             quantised = quantise(fmt, w13, w2, opts)
+        step = "CPUExperts"
         progress(f"{shape.name} {fmt}: CPUExperts prepack")
         t0 = time.perf_counter()
         experts = hmoe.CPUExperts(*(quantised or (w13, w2)), isa=opts.isa)
         prepack_s = time.perf_counter() - t0
         isa = str(experts.isa)
     except Exception as e:  # e.g. a format this hmoe does not take yet: a row error, the rest still runs
-        err, prepack_s = f"CPUExperts: {type(e).__name__}: {e}", None
+        err, prepack_s = f"{step}: {type(e).__name__}: {e}", None
     row_major = 3 * shape.hidden * shape.inter * w13.element_size()
     packed = experts.packed_bytes // shape.experts if experts is not None else None
     impls = []
