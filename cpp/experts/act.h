@@ -1,10 +1,15 @@
-// Elementwise pieces of the expert kernels: silu(g) * u in fp32 and activation rounding.
-// Written as plain loops over 16 lanes so that each ISA build vectorises them.
+// Activations of the expert kernels: silu(g) * u in fp32, and the rows entering a matmul in the
+// form a weight format's kernels read (format.h Act): fp32, bf16, or int8 quantised per group.
+// The elementwise loops are plain loops over 16 lanes so that each ISA build vectorises them.
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "common/dtype.h"
+#include "experts/format.h"
 
 namespace hmoe {
 
@@ -36,13 +41,7 @@ inline void silu_mul16(const float* g, const float* u, float* out) {
   for (int j = 0; j < 16; ++j) out[j] = g[j] / (1.f + exp_f32(-g[j])) * u[j];
 }
 
-// Activation rows entering a matmul are kept in the "compute dtype": fp32, or bf16 (rounded
-// to nearest even) when the weights are bf16. These store n values in that form.
-inline void store_act(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * 4); }
-inline void store_act(const float* src, int64_t n, uint16_t* dst) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16(src[j]);
-}
-// fp32 values that are exactly what store_act(.., uint16_t*) would keep.
+// fp32 values rounded to bf16 (nearest even) and back: what a bf16 activation row holds.
 inline void round_act_bf16(float* v, int64_t n) {
   for (int64_t j = 0; j < n; ++j) v[j] = bf16_to_f32(f32_to_bf16(v[j]));
 }
@@ -58,5 +57,121 @@ inline void store_row(const float* src, int64_t n, int32_t dtype, void* dst) {
     for (int64_t j = 0; j < n; ++j) d[j] = f32_to_f16(src[j]);
   }
 }
+
+// int8 quantisation of one group of n <= group values (the precision contract of hmoe.ops.experts):
+// s = max|x| / 127 (fp32), q = round-half-even(x / s) (fp32 division), sum = sum of q. A group of
+// zeros has s = 0, q = 0; a group holding NaN or infinity keeps that in s (q = 0), so the
+// products it enters are not finite either: a bad input never turns into a plausible result.
+inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale, int32_t& sum) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = std::fabs(x[k]);
+    nan |= a != a;
+    amax = a > amax ? a : amax;
+  }
+  const float s = nan ? std::nanf("") : amax / 127.f;
+  scale = s, sum = 0;
+  if (!(s > 0.f) || s == INFINITY) {  // zero, NaN or infinite scale
+    std::memset(q, 0, size_t(n));
+    return;
+  }
+  const float magic = 12582912.f;  // 1.5 * 2^23: (v + magic) - magic rounds |v| < 2^22 half to even
+  int32_t total = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    float v = (x[k] / s + magic) - magic;
+    v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+    q[k] = int8_t(v);
+    total += q[k];
+  }
+  sum = total;
+}
+
+// Rows of activations entering a matmul. Every buffer keeps 32 zero rows past its last row so
+// that 32-row tiles never read past the end. `store` writes one row from n fp32 values (the
+// rest of the row, up to ld, reads as zero); `at(row)` is what the microkernels take.
+template <Act A>
+struct ActRows;
+
+template <class T>
+std::unique_ptr<T[]> uninit(int64_t n) {
+  return std::unique_ptr<T[]>(new T[size_t(std::max<int64_t>(n, 1))]);
+}
+
+template <class T>
+struct PlainRows {
+  struct Panel {
+    const T* p;
+    int64_t ld;
+  };
+  std::unique_ptr<T[]> buf;
+  int64_t ld = 0;
+  void alloc(int64_t rows, int64_t ld_) {
+    ld = ld_;
+    buf = uninit<T>((rows + 32) * ld);
+    std::memset(static_cast<void*>(buf.get() + rows * ld), 0, size_t(32 * ld) * sizeof(T));
+  }
+  Panel at(int64_t row) const { return {buf.get() + row * ld, ld}; }
+};
+
+// fp32 and bf16 rows can also be written 16 columns at a time (store_cols): silu(g) * u of a
+// block pair goes straight into the next matmul's rows.
+template <>
+struct ActRows<Act::kF32> : PlainRows<float> {
+  bool round_bf16 = false;  // the row-dot path of bf16 weights keeps fp32 rows of bf16 values
+  void store_cols(int64_t row, int64_t col, float* src, int64_t n) {
+    if (round_bf16) round_act_bf16(src, n);
+    std::memcpy(buf.get() + row * ld + col, src, size_t(n) * 4);
+  }
+  void store(int64_t row, float* src, int64_t n) {
+    store_cols(row, 0, src, n);
+    std::fill(buf.get() + row * ld + n, buf.get() + (row + 1) * ld, 0.f);
+  }
+};
+
+template <>
+struct ActRows<Act::kBF16> : PlainRows<uint16_t> {
+  void store_cols(int64_t row, int64_t col, const float* src, int64_t n) {
+    uint16_t* d = buf.get() + row * ld + col;
+    for (int64_t j = 0; j < n; ++j) d[j] = f32_to_bf16(src[j]);
+  }
+  void store(int64_t row, float* src, int64_t n) {
+    store_cols(row, 0, src, n);
+    std::fill(buf.get() + row * ld + n, buf.get() + (row + 1) * ld, uint16_t(0));
+  }
+};
+
+template <>
+struct ActRows<Act::kI8> {
+  struct Panel {
+    const int8_t* q;
+    int64_t ld;  // bytes a row
+    const float* scale;
+    const int32_t* sum;
+    int64_t ldg;  // groups a row
+  };
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> scale;
+  std::unique_ptr<int32_t[]> sum;
+  int64_t ld = 0, group = 0, ldg = 0;
+  void alloc(int64_t rows, int64_t ld_, int64_t group_) {
+    ld = ld_, group = group_, ldg = ld / group;
+    q = uninit<int8_t>((rows + 32) * ld);
+    scale = uninit<float>((rows + 32) * ldg);
+    sum = uninit<int32_t>((rows + 32) * ldg);
+    std::memset(q.get() + rows * ld, 0, size_t(32 * ld));
+    std::fill(scale.get() + rows * ldg, scale.get() + (rows + 32) * ldg, 0.f);
+    std::fill(sum.get() + rows * ldg, sum.get() + (rows + 32) * ldg, 0);
+  }
+  void store(int64_t row, float* src, int64_t n) {
+    for (int64_t g = 0; g < ldg; ++g) {
+      const int64_t k0 = g * group, m = std::clamp<int64_t>(n - k0, 0, group);
+      int8_t* dst = q.get() + row * ld + k0;
+      quantize_group_i8(src + k0, m, dst, scale[size_t(row * ldg + g)], sum[size_t(row * ldg + g)]);
+      std::memset(dst + m, 0, size_t(group - m));
+    }
+  }
+  Panel at(int64_t row) const { return {q.get() + row * ld, ld, scale.get() + row * ldg, sum.get() + row * ldg, ldg}; }
+};
 
 }  // namespace hmoe

@@ -42,16 +42,44 @@ py::object run(MoeParams& p, py::handle out, const hb::TensorArg& w13, const hb:
   return result;
 }
 
-// p for prepacked weights (checked against E, H, I and their dtype) and the tokens.
+// p for prepacked weights (checked against E, H, I, their format and k groups) and the tokens.
 MoeParams packed_params(py::handle x, py::handle topk_ids, py::handle topk_weights, const hb::TensorArg& a,
-                        const hb::TensorArg& b, int32_t w_dtype, int64_t E, int64_t H, int64_t I) {
+                        const hb::TensorArg& b, int32_t fmt, int64_t E, int64_t H, int64_t I, int64_t g13, int64_t g2) {
   if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("moe_experts_packed: bad sizes");
-  if (a.numel != E * hmoe::packed_w13_bytes(w_dtype, H, I) || b.numel != E * hmoe::packed_w2_bytes(w_dtype, H, I))
-    throw std::invalid_argument("moe_experts_packed: the packed weights do not match E, H, I and their dtype");
+  hmoe::check_group(fmt, g13, "moe_experts_packed: w13");
+  hmoe::check_group(fmt, g2, "moe_experts_packed: w2");
+  if (a.numel != E * hmoe::packed_w13_bytes(fmt, H, I, g13) || b.numel != E * hmoe::packed_w2_bytes(fmt, H, I, g2))
+    throw std::invalid_argument("moe_experts_packed: the packed weights do not match E, H, I, their format and groups");
   MoeParams p{};
   hb::expert_tokens(x, topk_ids, topk_weights, H, p);
-  p.w13 = a.data, p.w2 = b.data, p.w_dtype = w_dtype, p.packed = 1, p.E = E, p.H = H, p.I = I;
+  p.w13 = a.data, p.w2 = b.data, p.w_format = fmt, p.packed = 1, p.E = E, p.H = H, p.I = I;
+  p.group13 = g13, p.group2 = g2;
   return p;
+}
+
+// One quantised matrix [E, N, kd] of format fmt: data bytes [E, N, kd * bits / 8] (uint8 view),
+// scales fp32 [E, ceil(N / rows), ceil(kd / cols)]; kd comes from the data, N is checked.
+struct QuantArg {
+  hb::TensorArg data, scales;
+  int64_t E, N, kd;
+};
+QuantArg quant_arg(py::handle data, py::handle scales, const char* dname, const char* sname, int32_t fmt, int64_t rows,
+                   int64_t cols) {
+  QuantArg q{hb::tensor(data, dname, hb::dtypes({hmoe::kU8}), 3, hb::Where::kCpu),
+             hb::tensor(scales, sname, hb::dtypes({hmoe::kF32}), 3, hb::Where::kCpu), 0, 0, 0};
+  const int bits = hmoe::with_format(fmt, [](auto f) { return decltype(f)::kBits; });
+  q.E = q.data.shape[0], q.N = q.data.shape[1], q.kd = q.data.shape[2] * 8 / bits;
+  if (q.E < 1 || q.N < 1 || q.kd < 1)
+    hb::value_error(std::string(dname) + " has shape " + q.data.shape_str() + ": expected [E, N, K bytes], all >= 1");
+  if (rows < 1 || cols < 1) hb::value_error(std::string(sname) + ": scale block sizes must be positive");
+  const int64_t want[3] = {q.E, hmoe::ceil_div(q.N, rows), hmoe::ceil_div(q.kd, cols)};
+  for (int d = 0; d < 3; ++d)
+    if (q.scales.shape[d] != want[d])
+      hb::value_error(std::string(sname) + " has shape " + q.scales.shape_str() + ", expected (" +
+                      std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " + std::to_string(want[2]) +
+                      ") for " + dname + " " + q.data.shape_str() + " and " + std::to_string(rows) + " x " +
+                      std::to_string(cols) + " weights a scale");
+  return q;
 }
 
 hb::TensorArg packed_arg(py::handle t, const char* name) {
@@ -102,14 +130,14 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     const hb::ExpertWeights w = hb::expert_weights(w13, w2);
     MoeParams p{};
     hb::expert_tokens(x, topk_ids, topk_weights, w.H, p);
-    p.w13 = w.w13.data, p.w2 = w.w2.data, p.w_dtype = w.w13.dtype, p.packed = 0;
+    p.w13 = w.w13.data, p.w2 = w.w2.data, p.w_format = w.w13.dtype, p.packed = 0;
     p.E = w.E, p.H = w.H, p.I = w.I;
     return run(p, out, w.w13, w.w2, num_threads);
   });
 
   HMOE_DEF(m, moe_experts_packed, {
     const hb::TensorArg a = packed_arg(w13, "w13 (packed)"), b = packed_arg(w2, "w2 (packed)");
-    MoeParams p = packed_params(x, topk_ids, topk_weights, a, b, w_dtype, E, H, I);
+    MoeParams p = packed_params(x, topk_ids, topk_weights, a, b, w_format, E, H, I, group13, group2);
     return run(p, out, a, b, num_threads);
   });
 
@@ -118,7 +146,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   HMOE_DEF(m, host_job_create, {
     const hb::TensorArg a = packed_arg(w13, "w13 (packed)"), b = packed_arg(w2, "w2 (packed)");
     auto job = std::make_unique<HostJob>();
-    job->p = packed_params(x, topk_ids, topk_weights, a, b, w_dtype, E, H, I);
+    job->p = packed_params(x, topk_ids, topk_weights, a, b, w_format, E, H, I, group13, group2);
     hb::expert_output(out, a, b, job->p);
     job->p.num_threads = num_threads;
     check_ready();
@@ -136,14 +164,73 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 
   HMOE_DEF(m, host_job_free, { delete job_at(job); });
 
-  HMOE_DEF(m, packed_bytes,
-           { return py::make_tuple(hmoe::packed_w13_bytes(w_dtype, H, I), hmoe::packed_w2_bytes(w_dtype, H, I)); });
+  HMOE_DEF(m, packed_bytes, {
+    hmoe::check_group(w_format, group13, "packed_bytes: w13");
+    hmoe::check_group(w_format, group2, "packed_bytes: w2");
+    return py::make_tuple(hmoe::packed_w13_bytes(w_format, H, I, group13),
+                          hmoe::packed_w2_bytes(w_format, H, I, group2));
+  });
+
+  // Quantised weights (hmoe.quant's storage, data as uint8 views) packed with their scales.
+  HMOE_DEF(m, pack_quantized, {
+    if (!hmoe::with_format(w_format, [](auto f) { return decltype(f)::kScaled; }))
+      throw std::invalid_argument("pack_quantized: format " + std::string(hmoe::format_name(w_format)) +
+                                  " is not quantised; use pack_weights");
+    hmoe::check_group(w_format, group13, "pack_quantized: w13");
+    hmoe::check_group(w_format, group2, "pack_quantized: w2");
+    const QuantArg a = quant_arg(w13_data, w13_scales, "w13", "w13 scales", w_format, scale_rows13, scale_cols13);
+    const QuantArg b = quant_arg(w2_data, w2_scales, "w2", "w2 scales", w_format, scale_rows2, scale_cols2);
+    const int64_t E = a.E, H = a.kd, I = a.N / 2;
+    if (a.N % 2) hb::value_error("w13 has " + std::to_string(a.N) + " rows: expected 2I (gate rows, then up rows)");
+    if (b.E != E || b.N != H || b.kd != I)
+      hb::value_error("w2 is [" + std::to_string(b.E) + ", " + std::to_string(b.N) + ", " + std::to_string(b.kd) +
+                      "] (E, H, I), w13 [" + std::to_string(E) + ", 2 x " + std::to_string(I) + ", " +
+                      std::to_string(H) + "]: they must agree");
+    const int64_t b13 = hmoe::packed_w13_bytes(w_format, H, I, group13);
+    const int64_t b2 = hmoe::packed_w2_bytes(w_format, H, I, group2);
+    void *dst13 = nullptr, *dst2 = nullptr;
+    py::object p13 = hb::empty({E * b13}, hmoe::kU8, -1, &dst13);
+    py::object p2 = hb::empty({E * b2}, hmoe::kU8, -1, &dst2);
+    const int64_t s13 = a.scales.numel / E, s2 = b.scales.numel / E, d13 = a.data.numel / E, d2 = b.data.numel / E;
+    std::string error;
+    std::mutex mu;
+    {
+      py::gil_scoped_release nogil;
+      hmoe::ThreadPool::instance().parallel_for(2 * E, num_threads, [&](int64_t t, int) {
+        const int64_t e = t / 2;
+        try {
+          if (t % 2 == 0) {
+            const hmoe::QuantMatrix m13{static_cast<const char*>(a.data.data) + e * d13,
+                                        H,
+                                        static_cast<const float*>(a.scales.data) + e * s13,
+                                        scale_rows13,
+                                        scale_cols13,
+                                        a.scales.shape[2]};
+            hmoe::pack_quant_w13(w_format, m13, I, group13, static_cast<char*>(dst13) + e * b13);
+          } else {
+            const hmoe::QuantMatrix m2{static_cast<const char*>(b.data.data) + e * d2,
+                                       I,
+                                       static_cast<const float*>(b.scales.data) + e * s2,
+                                       scale_rows2,
+                                       scale_cols2,
+                                       b.scales.shape[2]};
+            hmoe::pack_quant_w2(w_format, m2, H, group2, static_cast<char*>(dst2) + e * b2);
+          }
+        } catch (const std::exception& ex) {  // an error in a worker thread: reported once, after all
+          std::lock_guard<std::mutex> lock(mu);
+          if (error.empty()) error = std::string(ex.what()) + " (expert " + std::to_string(e) + ")";
+        }
+      });
+    }
+    if (!error.empty()) throw std::invalid_argument(error);
+    return py::make_tuple(p13, p2);
+  });
 
   HMOE_DEF(m, pack_weights, {
     const hb::ExpertWeights w = hb::expert_weights(w13, w2);
     const int32_t dt = w.w13.dtype;
     const int64_t E = w.E, H = w.H, I = w.I, ws = hmoe::dtype_size(dt);
-    const int64_t b13 = hmoe::packed_w13_bytes(dt, H, I), b2 = hmoe::packed_w2_bytes(dt, H, I);
+    const int64_t b13 = hmoe::packed_w13_bytes(dt, H, I, 0), b2 = hmoe::packed_w2_bytes(dt, H, I, 0);
     void *dst13 = nullptr, *dst2 = nullptr;
     py::object p13 = hb::empty({E * b13}, hmoe::kU8, -1, &dst13);
     py::object p2 = hb::empty({E * b2}, hmoe::kU8, -1, &dst2);

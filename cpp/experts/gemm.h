@@ -1,11 +1,12 @@
 // Register-tile microkernels of the expert GEMMs, written once over the ops of the ISA header
 // this module is compiled with (isa::V = 16 fp32 lanes), and Micro: the ones each weight format
-// (format.h) uses. All accumulate in fp32.
+// (format.h) uses. All accumulate in fp32 (integer formats: exact int32 per group, then fp32).
 #pragma once
 #include <cstdint>
 #include <type_traits>
 
 #include "common/dtype.h"
+#include "experts/act.h"
 #include "experts/format.h"
 #include "experts/isa/contract.h"
 
@@ -23,6 +24,8 @@ constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
 // streams that cross a page every 4 KB, where hardware prefetchers restart.
 constexpr int64_t kPrefetchBytes = 1024;
 
+inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes); }
+
 // C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (format.h layout).
 // Activations A are bf16 (u16, row stride lda) for bf16 weights, else fp32.
 template <int MR, int NR>
@@ -37,7 +40,7 @@ inline void mk_packed_bf16(const uint16_t* A, int64_t lda, const uint16_t* const
     for (int u = 0; u < U; ++u) {
       isa::BPair b[NR];
       for (int j = 0; j < NR; ++j) {
-        __builtin_prefetch(reinterpret_cast<const char*>(B[j] + (kp + u) * 32) + kPrefetchBytes);
+        prefetch(B[j] + (kp + u) * 32);
         b[j] = isa::load_bpair(B[j] + (kp + u) * 32);
       }
       for (int i = 0; i < MR; ++i) {
@@ -75,7 +78,7 @@ inline void mk_packed_f(const float* A, int64_t lda, const W* const* B, int64_t 
   auto step = [&](int u, int64_t k) {
     V b[NR];
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(reinterpret_cast<const char*>(B[j] + k * 16) + kPrefetchBytes);
+      prefetch(B[j] + k * 16);
       b[j] = load_w16(B[j] + k * 16);
     }
     for (int i = 0; i < MR; ++i) {
@@ -93,6 +96,101 @@ inline void mk_packed_f(const float* A, int64_t lda, const W* const* B, int64_t 
       for (int u = 1; u < U; ++u) sum = isa::vadd(sum, acc[u][i][j]);
       isa::vstore(C + i * ldc + j * 16, sum);
     }
+}
+
+// Scaled formats: C[MR][NR*16] = sum over groups g of (int8 or fp8) partial products, each group's
+// exact int32 (or fp32) sum times its scales, accumulated in fp32 in C (an L1 tile) in group order.
+// chunk: bytes of a group's chunk of a block; its last 64 bytes are the 16 fp32 column scales.
+inline void zero_tile(int MR, int NR, float* C, int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) isa::vstore(C + i * ldc + j * 16, isa::vzero());
+}
+
+// int8 / int4 weights (kOffset-biased unsigned) times int8 activations quantised per (row, group):
+// C[i][c] += float(dot - kOffset * sum_a) * (scale_a[i][g] * scale_w[c][g]).
+template <int MR, int NR, int Bits, int Offset>
+inline void mk_packed_q(const ActRows<Act::kI8>::Panel& A, const uint8_t* const* B, int64_t groups, int64_t group,
+                        float* C, int64_t ldc) {
+  const int64_t chunk = kBlockN * group * Bits / 8 + kBlockN * 4;
+  zero_tile(MR, NR, C, ldc);
+  for (int64_t g = 0; g < groups; ++g) {
+    isa::VI acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = isa::vi_zero();
+    const uint8_t* b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = B[j] + g * chunk;
+    const int8_t* a0 = A.q + g * group;
+    if constexpr (Bits == 8) {
+      for (int64_t r = 0; r < group / 4; ++r) {  // a row: 16 columns x 4 k
+        isa::VB w[NR];
+        for (int j = 0; j < NR; ++j) {
+          prefetch(b[j] + r * 64);
+          w[j] = isa::load_vb(b[j] + r * 64);
+        }
+        for (int i = 0; i < MR; ++i) {
+          const auto a = isa::bcast_a4(a0 + i * A.ld + 4 * r);
+          for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot4(acc[i][j], w[j], a);
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < group / 8; ++r) {  // a row: two rows of 4 k as nibbles
+        isa::VB lo[NR], hi[NR];
+        for (int j = 0; j < NR; ++j) {
+          prefetch(b[j] + r * 64);
+          const isa::VB w = isa::load_vb(b[j] + r * 64);
+          lo[j] = isa::nib_lo(w);
+          hi[j] = isa::nib_hi(w);
+        }
+        for (int i = 0; i < MR; ++i) {
+          const auto al = isa::bcast_a4(a0 + i * A.ld + 8 * r), ah = isa::bcast_a4(a0 + i * A.ld + 8 * r + 4);
+          for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot4_u4(isa::dot4_u4(acc[i][j], lo[j], al), hi[j], ah);
+        }
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const V sw = isa::vload(reinterpret_cast<const float*>(b[j] + chunk - kBlockN * 4));
+      for (int i = 0; i < MR; ++i) {
+        const int64_t ig = i * A.ldg + g;
+        const V s = isa::vmul(isa::vbcast(A.scale[ig]), sw);
+        const isa::VI d = isa::vi_sub(acc[i][j], isa::vi_bcast(Offset * A.sum[ig]));
+        float* c = C + i * ldc + j * 16;
+        isa::vstore(c, isa::vfma(isa::vi_to_v(d), s, isa::vload(c)));
+      }
+    }
+  }
+}
+
+// fp8 weights (read as w * 2^-8, the scales carrying the 2^8) times bf16 activations:
+// C[i][c] += (fp32 sum of the group's exact products) * scale_w[c][g].
+template <int MR, int NR>
+inline void mk_packed_fp8(const uint16_t* A, int64_t lda, const uint8_t* const* B, int64_t groups, int64_t group,
+                          float* C, int64_t ldc) {
+  const int64_t chunk = kBlockN * group + kBlockN * 4;
+  zero_tile(MR, NR, C, ldc);
+  for (int64_t g = 0; g < groups; ++g) {
+    V acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = isa::vzero();
+    for (int64_t kp = 0; kp < group / 2; ++kp) {
+      isa::BPair b[NR];
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* p = B[j] + g * chunk + kp * 32;
+        prefetch(p);
+        b[j] = isa::load_fp8_pair(p);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const isa::APair a = isa::bcast_apair(A + i * lda + g * group + 2 * kp);
+        for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot_pair(acc[i][j], a, b[j]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) {
+      const V sw = isa::vload(reinterpret_cast<const float*>(B[j] + g * chunk + chunk - kBlockN * 4));
+      for (int i = 0; i < MR; ++i) {
+        float* c = C + i * ldc + j * 16;
+        isa::vstore(c, isa::vfma(acc[i][j], sw, isa::vload(c)));
+      }
+    }
+  }
 }
 
 // Row-major (unpacked) weights, for decode: C[i][r] = dot(A[i, :kd], W row r) for MR rows of
@@ -159,23 +257,27 @@ inline void with_count(int n, F&& f) {
     with_count<Max, M + 1>(n, static_cast<F&&>(f));
   }
 }
-// with_count for a row count m of a micro-kernel (1 <= m <= isa::kMR).
-template <typename F>
-inline void with_mr(int m, F&& f) {
-  with_count<isa::kMR>(m, static_cast<F&&>(f));
-}
+
+// A packed matrix as the microkernels see it: its reduction length and, for scaled formats, the
+// k group and the number of groups.
+struct PackedK {
+  int64_t kd, group, groups;
+};
 
 // The microkernels of a weight format on this ISA:
-//   Act                 the element type of the activation rows the packed kernels read
-//   packed<MR, NR>(A, lda, B, kd, C, ldc)   C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR)
-//   rows<MR>(A, lda, rows, kd, C, ldc)      C[i][r] = dot(A[i, :kd], row r) for kRowsNW
-//                                           row-major weight rows, A in fp32 (unpacked decode)
+//   kMR                 rows of its register tile (at most isa::kMR)
+//   Panel               the activation rows it reads (ActRows<Fmt::kAct>::Panel; at(i) moves i rows)
+//   packed<MR, NR>(A, B, K, C, ldc)   C[MR][NR*16] = A rows x packed blocks B[0..NR)
+//   rows<MR>(A, lda, rows, kd, C, ldc) (float formats) C[i][r] = dot(A[i, :kd], row r) for
+//                       kRowsNW row-major weight rows, A in fp32 (unpacked decode)
 template <class Fmt>
 struct Micro;
 
-// The row-dot kernel reads any float format straight from its rows.
 template <class Fmt>
-struct FloatRows {
+struct FloatMicro {
+  static constexpr int kMR = isa::kMR;
+  using Panel = typename ActRows<Fmt::kAct>::Panel;
+  static Panel offset(const Panel& a, int64_t rows) { return {a.p + rows * a.ld, a.ld}; }
   template <int MR>
   static void rows(const float* A, int64_t lda, const void* const* rows, int64_t kd, float* C, int64_t ldc) {
     mk_rows<MR, Fmt::kCode>(A, lda, rows, kd, C, ldc);
@@ -183,29 +285,58 @@ struct FloatRows {
 };
 
 template <>
-struct Micro<Format<kBF16>> : FloatRows<Format<kBF16>> {
-  using Act = uint16_t;  // bf16: vdpbf16ps pairs
+struct Micro<Format<kBF16>> : FloatMicro<Format<kBF16>> {
   template <int MR, int NR>
-  static void packed(const Act* A, int64_t lda, const void* const* B, int64_t kd, float* C, int64_t ldc) {
-    mk_packed_bf16<MR, NR>(A, lda, reinterpret_cast<const uint16_t* const*>(B), Format<kBF16>::packed_k(kd), C, ldc);
+  static void packed(const Panel& A, const void* const* B, const PackedK& K, float* C, int64_t ldc) {
+    mk_packed_bf16<MR, NR>(A.p, A.ld, reinterpret_cast<const uint16_t* const*>(B), Format<kBF16>::packed_k(K.kd, 0), C,
+                           ldc);
   }
 };
 
 template <>
-struct Micro<Format<kF16>> : FloatRows<Format<kF16>> {
-  using Act = float;
+struct Micro<Format<kF16>> : FloatMicro<Format<kF16>> {
   template <int MR, int NR>
-  static void packed(const Act* A, int64_t lda, const void* const* B, int64_t kd, float* C, int64_t ldc) {
-    mk_packed_f<MR, NR>(A, lda, reinterpret_cast<const uint16_t* const*>(B), kd, C, ldc);
+  static void packed(const Panel& A, const void* const* B, const PackedK& K, float* C, int64_t ldc) {
+    mk_packed_f<MR, NR>(A.p, A.ld, reinterpret_cast<const uint16_t* const*>(B), K.kd, C, ldc);
   }
 };
 
 template <>
-struct Micro<Format<kF32>> : FloatRows<Format<kF32>> {
-  using Act = float;
+struct Micro<Format<kF32>> : FloatMicro<Format<kF32>> {
   template <int MR, int NR>
-  static void packed(const Act* A, int64_t lda, const void* const* B, int64_t kd, float* C, int64_t ldc) {
-    mk_packed_f<MR, NR>(A, lda, reinterpret_cast<const float* const*>(B), kd, C, ldc);
+  static void packed(const Panel& A, const void* const* B, const PackedK& K, float* C, int64_t ldc) {
+    mk_packed_f<MR, NR>(A.p, A.ld, reinterpret_cast<const float* const*>(B), K.kd, C, ldc);
+  }
+};
+
+// Integer formats keep MR x NR int32 accumulators plus the weight rows in registers: at most 4 rows.
+template <class Fmt>
+struct IntMicro {
+  static constexpr int kMR = isa::kMR < 4 ? isa::kMR : 4;
+  using Panel = ActRows<Act::kI8>::Panel;
+  static Panel offset(const Panel& a, int64_t rows) {
+    return {a.q + rows * a.ld, a.ld, a.scale + rows * a.ldg, a.sum + rows * a.ldg, a.ldg};
+  }
+  template <int MR, int NR>
+  static void packed(const Panel& A, const void* const* B, const PackedK& K, float* C, int64_t ldc) {
+    mk_packed_q<MR, NR, Fmt::kBits, Fmt::kOffset>(A, reinterpret_cast<const uint8_t* const*>(B), K.groups, K.group, C,
+                                                  ldc);
+  }
+};
+
+template <>
+struct Micro<Format<kWInt8>> : IntMicro<Format<kWInt8>> {};
+template <>
+struct Micro<Format<kWInt4>> : IntMicro<Format<kWInt4>> {};
+
+template <>
+struct Micro<Format<kWFp8>> {
+  static constexpr int kMR = isa::kMR < 4 ? isa::kMR : 4;
+  using Panel = ActRows<Act::kBF16>::Panel;
+  static Panel offset(const Panel& a, int64_t rows) { return {a.p + rows * a.ld, a.ld}; }
+  template <int MR, int NR>
+  static void packed(const Panel& A, const void* const* B, const PackedK& K, float* C, int64_t ldc) {
+    mk_packed_fp8<MR, NR>(A.p, A.ld, reinterpret_cast<const uint8_t* const*>(B), K.groups, K.group, C, ldc);
   }
 };
 

@@ -4,30 +4,34 @@
 // `X(name, integer)` per line inside HMOE_CONSTANTS.
 #pragma once
 
-#define HMOE_CONSTANTS(X)                                                                   \
-  /* the version of the entry points, params structs and codes below: bump on any change */ \
-  X(abi_version, 2)                                                                         \
-  /* dtype codes: what every native entry point calls a tensor's element type */            \
-  X(dtype_float32, 0)                                                                       \
-  X(dtype_float16, 1)                                                                       \
-  X(dtype_bfloat16, 2)                                                                      \
-  X(dtype_int32, 3)                                                                         \
-  X(dtype_int64, 4)                                                                         \
-  X(dtype_uint8, 5)                                                                         \
-  /* the CPU thread pool */                                                                 \
-  X(max_threads, 1024)                                                                      \
-  /* grouped_topk */                                                                        \
-  X(topk_scoring_softmax, 0)                                                                \
-  X(topk_scoring_sigmoid, 1)                                                                \
-  X(grouped_topk_max_experts, 4096)                                                         \
-  /* mla_decode */                                                                          \
-  X(mla_dim_ckv, 512)                                                                       \
-  X(mla_dim_pe, 64)                                                                         \
-  X(mla_max_heads, 128)                                                                     \
-  X(mla_max_batch, 65535)                                                                   \
-  X(mla_max_splits, 64)                                                                     \
-  X(mla_loader_rows, 0)                                                                     \
-  X(mla_loader_contig, 1)                                                                   \
+#define HMOE_CONSTANTS(X)                                                                        \
+  /* the version of the entry points, params structs and codes below: bump on any change */      \
+  X(abi_version, 3)                                                                              \
+  /* dtype codes: what every native entry point calls a tensor's element type */                 \
+  X(dtype_float32, 0)                                                                            \
+  X(dtype_float16, 1)                                                                            \
+  X(dtype_bfloat16, 2)                                                                           \
+  X(dtype_int32, 3)                                                                              \
+  X(dtype_int64, 4)                                                                              \
+  X(dtype_uint8, 5)                                                                              \
+  /* expert weight formats: the float formats use their dtype codes, the quantised ones these */ \
+  X(weight_format_int8, 16)                                                                      \
+  X(weight_format_int4, 17)                                                                      \
+  X(weight_format_fp8, 18)                                                                       \
+  /* the CPU thread pool */                                                                      \
+  X(max_threads, 1024)                                                                           \
+  /* grouped_topk */                                                                             \
+  X(topk_scoring_softmax, 0)                                                                     \
+  X(topk_scoring_sigmoid, 1)                                                                     \
+  X(grouped_topk_max_experts, 4096)                                                              \
+  /* mla_decode */                                                                               \
+  X(mla_dim_ckv, 512)                                                                            \
+  X(mla_dim_pe, 64)                                                                              \
+  X(mla_max_heads, 128)                                                                          \
+  X(mla_max_batch, 65535)                                                                        \
+  X(mla_max_splits, 64)                                                                          \
+  X(mla_loader_rows, 0)                                                                          \
+  X(mla_loader_contig, 1)                                                                        \
   X(mla_loader_tma, 2)
 
 namespace hmoe {

@@ -14,9 +14,10 @@ struct MoeParams {
   const float* topk_weights;  // [T, K]
   const void* w13;            // [E, 2I, H] row-major, or packed (see below)
   const void* w2;             // [E, H, I] row-major, or packed
-  int32_t w_dtype;
-  int32_t packed;  // 1: w13/w2 hold the packed layout
-  void* out;       // [T, H], x_dtype
+  int32_t w_format;           // a float dtype code, or a quantised format (cpp/experts/format.h)
+  int32_t packed;             // 1: w13/w2 hold the packed layout (always, for quantised formats)
+  int64_t group13, group2;    // k per scale group of the packed w13 / w2 (quantised formats), else 0
+  void* out;                  // [T, H], x_dtype
   int64_t T, K, E, H, I;
   int32_t num_threads;
 };

@@ -21,16 +21,20 @@
 #define HMOE_ARGS_moe_experts                                                                                  \
   (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (tensor_or_none, out), \
       (i32, num_threads)
-#define HMOE_ARGS_moe_experts_packed                                                                              \
-  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_dtype), (i64, E), \
-      (i64, H), (i64, I), (tensor_or_none, out), (i32, num_threads)
-#define HMOE_ARGS_host_job_create                                                                                 \
-  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_dtype), (i64, E), \
-      (i64, H), (i64, I), (tensor, out), (i32, num_threads)
+#define HMOE_ARGS_moe_experts_packed                                                                               \
+  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_format), (i64, E), \
+      (i64, H), (i64, I), (i64, group13), (i64, group2), (tensor_or_none, out), (i32, num_threads)
+#define HMOE_ARGS_host_job_create                                                                                  \
+  (tensor, x), (tensor, topk_ids), (tensor, topk_weights), (tensor, w13), (tensor, w2), (i32, w_format), (i64, E), \
+      (i64, H), (i64, I), (i64, group13), (i64, group2), (tensor, out), (i32, num_threads)
 #define HMOE_ARGS_host_job_error (i64, job)
 #define HMOE_ARGS_host_job_free HMOE_ARGS_host_job_error
 #define HMOE_ARGS_pack_weights (tensor, w13), (tensor, w2), (i32, num_threads)
-#define HMOE_ARGS_packed_bytes (i32, w_dtype), (i64, H), (i64, I)
+#define HMOE_ARGS_pack_quantized                                                                                     \
+  (tensor, w13_data), (tensor, w13_scales), (tensor, w2_data), (tensor, w2_scales), (i32, w_format), (i64, group13), \
+      (i64, group2), (i64, scale_rows13), (i64, scale_cols13), (i64, scale_rows2), (i64, scale_cols2),               \
+      (i32, num_threads)
+#define HMOE_ARGS_packed_bytes (i32, w_format), (i64, H), (i64, I), (i64, group13), (i64, group2)
 #define HMOE_ARGS_read_bandwidth (i64, bytes), (i32, threads), (i32, repeats)
 #define HMOE_ARGS_prewarm (i32, device)
 #define HMOE_ARGS_mla_decode_check                                                                  \
@@ -54,6 +58,7 @@
   X(experts, experts, host_job_error, "str", HMOE_ARGS_host_job_error)                                         \
   X(experts, experts, host_job_free, "None", HMOE_ARGS_host_job_free)                                          \
   X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                         \
+  X(experts, experts, pack_quantized, "(w13_packed, w2_packed)", HMOE_ARGS_pack_quantized)                     \
   X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)     \
   X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                            \
   X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                                \

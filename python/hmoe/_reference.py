@@ -41,6 +41,17 @@ _EXPERTS_OUT = {"float32": 2e-5, "float16": 1.5e-3, "bfloat16": 8e-3}
 #   check): the loop rounds every intermediate to the weights' dtype, so the two agree to a few units
 #   of the coarser of x's and the weights' dtypes.
 _EXPERTS_TORCH_LOOP = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+#   quantised weights (w_dtype "int8", "int4", "fp8"): against the reference that rounds where the
+#   contract does (contract=True), the fp32 accumulation over groups and the rare activation that
+#   lands on the other side of a rounding boundary by an ulp (h is fp32 in the kernel, fp64 rounded
+#   to fp32 in the reference): fp8 2e-4 as bf16; int8/int4 2e-3, for a flip there moves one
+#   activation by a whole int8 step of its group (1/127 of the group's largest value), about
+#   3e-4 of the output for one flip in 10^5 activations, which random tests see.
+#   Against fp64 on the dequantised weights (contract=False): fp8 as bf16 (3 u(bf16)); int8 and int4
+#   the int8 activations, quantised per group of k to a step of max|a| / 127, whose error (half a
+#   step, u_i8 = 2^-8 of the group's largest value) enters x's two products and h's one; measured
+#   about 4 u_i8 on Gaussian data (h has heavier tails than x): 8 u_i8.
+_U_I8 = 2.0 ** -8
 
 
 def _name(dtype) -> str:
@@ -49,12 +60,17 @@ def _name(dtype) -> str:
 
 def tolerance(op: str, dtype, *, w_dtype=None, contract: bool = True) -> float:
     """The normwise relative error op's output may have in `dtype` against its fp64 reference
-    (moe_experts: dtype is x's, w_dtype the weights'; contract says whether the reference rounds
-    where hmoe's precision contract does)."""
+    (moe_experts: dtype is x's, w_dtype the weights' dtype or quantised format name ("int8", "int4",
+    "fp8"); contract says whether the reference rounds where hmoe's precision contract does)."""
     if op == "moe_experts":
         tol = _EXPERTS_OUT[_name(dtype)]
-        if _name(w_dtype) == "bfloat16":
+        w = _name(w_dtype)
+        if w in ("int8", "int4") and contract:
+            tol += 2e-3
+        elif w in ("bfloat16", "fp8"):
             tol += 2e-4 if contract else 1.2e-2
+        elif w in ("int8", "int4"):
+            tol += 8 * _U_I8
         return tol
     if op == "moe_experts_vs_torch_loop":
         return max(_EXPERTS_TORCH_LOOP[_name(dtype)], _EXPERTS_TORCH_LOOP[_name(w_dtype)])
@@ -79,28 +95,82 @@ def mla_decode(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
     return out.float(), lse.float()
 
 
+def _quantise_act(v, group: int):
+    """hmoe's int8 activation quantisation of fp32 rows v [..., K] per group (cpp/experts/act.h):
+    (q [..., G, group] as fp64 integers, s fp32 [..., G]); K padded with zeros to G * group."""
+    import torch
+
+    K = v.shape[-1]
+    G = -(-K // group)
+    g = torch.nn.functional.pad(v.float(), (0, G * group - K)).reshape(*v.shape[:-1], G, group)
+    s = g.abs().amax(-1) / 127
+    s = torch.where(torch.isnan(g).any(-1), torch.nan, s)
+    ok = (s > 0) & torch.isfinite(s)
+    q = torch.round(g / torch.where(ok, s, 1.0).unsqueeze(-1)).clamp(-127, 127)
+    return torch.where(ok.unsqueeze(-1), q, 0.0).double(), s
+
+
+def _int_weights(qw):
+    """int8/int4 QuantizedWeights [E, N, K] in the kernels' groups: (q fp64 [E, N, G, group], s fp32 [E, N, G])."""
+    import torch
+
+    from . import quant
+
+    q = (quant._int4_values(qw.data) if qw.format == "int4" else qw.data).double()
+    E, N, K = q.shape
+    group = qw.kernel_group
+    G = -(-K // group)
+    q = torch.nn.functional.pad(q, (0, G * group - K)).reshape(E, N, G, group)
+    s = qw.scales.float().expand(E, N, G) if qw.group_size is None else qw.scales.float()
+    return q, s
+
+
+def _int_matmul(v, w, group: int, e: int):
+    """Rows v (fp32 [R, K]) times expert e of _int_weights w as hmoe's int8 kernels compute it: v
+    quantised per group, exact integer dots, each group's dot times fp32(s_a * s_w), summed (fp64)."""
+    import torch
+
+    qa, sa = _quantise_act(v, group)  # [R, G, group], [R, G]
+    qw, sw = w[0][e], w[1][e]  # [N, G, group], [N, G]
+    dots = torch.einsum("rgk,ngk->rng", qa, qw)  # integers below 2^53: exact in any order
+    return (dots * (sa.unsqueeze(1) * sw.unsqueeze(0)).double()).sum(-1)
+
+
 def moe_experts(x, topk_ids, topk_weights, w13, w2, *, contract: bool = True):
-    """fp64 [T, H]: the math of hmoe.ops.moe_experts_cpu's docstring, token by token, for small
-    problems. With contract=True the activations entering each matmul are rounded to bf16 when the
-    weights are bf16 (hmoe's precision contract); otherwise nothing is rounded."""
+    """fp64 [T, H]: the math of hmoe.ops.moe_experts_cpu's docstring, expert by expert, for small
+    problems. w13/w2 are float tensors or hmoe.quant.QuantizedWeights. With contract=True the
+    activations entering each matmul are rounded where hmoe's precision contract rounds them (bf16
+    for bf16 and fp8 weights; int8 per group, with the kernels' scale products, for int8 and int4
+    weights); otherwise nothing is rounded and quantised weights enter dequantised."""
     import torch
     import torch.nn.functional as F
 
+    from . import quant
+
     T, H = x.shape
+    quantised = isinstance(w13, quant.QuantizedWeights)
+    fmt = w13.format if quantised else _name(w13.dtype)
     inter = w13.shape[1] // 2
-    bf16_act = contract and w13.dtype == torch.bfloat16
+    bf16_act = contract and fmt in ("bfloat16", "fp8")
+    int_act = contract and fmt in ("int8", "int4")
+    if int_act:
+        W13, W2 = _int_weights(w13), _int_weights(w2)
+    else:
+        W13 = (quant.dequantize(w13) if quantised else w13).double()
+        W2 = (quant.dequantize(w2) if quantised else w2).double()
 
-    def act(v):
-        return v.to(torch.bfloat16).double() if bf16_act else v
+    def matmul(v, w, qw, e):
+        if int_act:
+            return _int_matmul(v.float(), w, qw.kernel_group, e)
+        return (v.to(torch.bfloat16).double() if bf16_act else v) @ w[e].T
 
-    xd = act(x.double())
+    xd = x.double()
     out = torch.zeros(T, H, dtype=torch.float64)
-    for t in range(T):
-        for k in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, k])
-            we = w13[e].double()
-            g, u = xd[t] @ we[:inter].T, xd[t] @ we[inter:].T
-            out[t] += float(topk_weights[t, k]) * (act(F.silu(g) * u) @ w2[e].double().T)
+    for e in torch.unique(topk_ids).tolist():
+        t, k = torch.where(topk_ids == e)
+        gu = matmul(xd[t], W13, w13, e)
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, t, topk_weights[t, k].double().unsqueeze(1) * matmul(h, W2, w2, e))
     return out
 
 

@@ -13,6 +13,11 @@ scale and quotient computed in fp32):
 
 The scales are fp32; the dequantised weight is q * s in fp32. A group or block whose weights are all
 zero has scale 0. QuantizedWeights pickles (plain tensors and a version number).
+
+hmoe.CPUExperts takes QuantizedWeights for w13 and w2 (the same format for both); its kernels work
+in k groups of `kernel_group` (the group size; 128 for int8 per row; fp8's block columns, which
+must then be 32, 64 or 128), the unit in which they also quantise the activations (the precision
+contract is in hmoe.ops.experts).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ FORMATS = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _QMAX = {"int8": 127, "int4": 7}
+KERNEL_ROW_GROUP = 128  # the kernels' k group (activation quantisation) for int8 weights scaled per row
 
 
 class QuantizedWeights:
@@ -48,6 +54,13 @@ class QuantizedWeights:
     @property
     def bits_per_weight(self) -> float:
         return 8 * self.nbytes / math.prod(self.shape)
+
+    @property
+    def kernel_group(self) -> int:
+        """k per group in hmoe's CPU kernels: the group size, 128 for int8 per row, fp8's block columns."""
+        if self.format == "fp8":
+            return self.block[1]
+        return self.group_size or KERNEL_ROW_GROUP
 
     def dequantize(self):
         return dequantize(self)

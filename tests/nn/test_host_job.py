@@ -18,7 +18,7 @@ def test_host_job_runs_the_experts(x_dtype):
     experts = hmoe.CPUExperts(w13, w2)
     out = torch.full_like(x, float("nan"))
     mod = experts._mod
-    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 6, 48, 40, out, 2)
+    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, 2)
     try:
         RUN(fn)(job)
         assert mod.host_job_error(job) == ""
@@ -35,7 +35,7 @@ def test_host_job_failure_is_an_error_and_nan():
     experts = hmoe.CPUExperts(w13, w2)
     out = torch.zeros_like(x)
     mod = experts._mod
-    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 4, 32, 16, out, 1)
+    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, 1)
     try:
         ids[1, 0] = 7  # outside [0, 4)
         RUN(fn)(job)
@@ -51,8 +51,8 @@ def test_host_job_checks_its_buffers():
     experts = hmoe.CPUExperts(w13, w2)
     mod = experts._mod
     with pytest.raises(ValueError, match="out has shape"):
-        mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 4, 32, 16, torch.empty(2, 32), 1)
+        mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, torch.empty(2, 32), 1)
     with pytest.raises(ValueError, match="out overlaps x"):
-        mod.host_job_create(x, ids, w, experts._w13, experts._w2, experts._code, 4, 32, 16, x, 1)
+        mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, x, 1)
     with pytest.raises(ValueError, match="null handle"):
         mod.host_job_error(0)

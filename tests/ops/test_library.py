@@ -115,13 +115,13 @@ def test_fake_packed_checks_dims_and_weights():
                                         gen=torch.Generator().manual_seed(0))
     experts = hmoe.CPUExperts(w13, w2)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with pytest.raises(ValueError, match=r"dims must be \[weight dtype code"):
+        with pytest.raises(ValueError, match=r"dims must be \[weight format code"):
             library.cpu_experts_packed(x, ids, w, experts._w13, experts._w2, [1, 2], None)
         with pytest.raises(TypeError, match=r"w13 \(packed\) must have dtype uint8; got float32"):
             library.cpu_experts_packed(x, ids, w, x.flatten(), experts._w2, list(experts._dims), None)
         with pytest.raises(ValueError, match=r"dimension 1 must be H \(the experts' hidden size\) = 32"):
             library.cpu_experts_packed(x[:, :16], ids, w, experts._w13, experts._w2, list(experts._dims), None)
-    with pytest.raises(ValueError, match=r"dims must be \[weight dtype code"):
+    with pytest.raises(ValueError, match=r"dims must be \[weight format code"):
         library.cpu_experts_packed(x, ids, w, experts._w13, experts._w2, [1, 2], None)
 
 

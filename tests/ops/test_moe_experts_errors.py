@@ -73,11 +73,11 @@ def test_no_weight_format_for_dtype(dtype):
     mod = _selected_module()
     name = str(dtype).removeprefix("torch.")
     with pytest.raises(ValueError, match=f"no weight format for dtype {name}"):
-        mod.packed_bytes(code(dtype), 64, 32)
+        mod.packed_bytes(code(dtype), 64, 32, 0, 0)
     x, ids, w, _, _ = good()
     blob = torch.zeros(1 << 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match=f"no weight format for dtype {name}"):
-        mod.moe_experts_packed(x, ids, w, blob, blob, code(dtype), 3, 16, 8, None, 1)
+        mod.moe_experts_packed(x, ids, w, blob, blob, code(dtype), 3, 16, 8, 0, 0, None, 1)
 
 
 @pytest.mark.parametrize("dtype,H,I", [(torch.bfloat16, 33, 17), (torch.bfloat16, 64, 32),
@@ -90,4 +90,4 @@ def test_packed_sizes_follow_the_layout(dtype, H, I):
     kpad = (lambda k: -(-k // 32) * 32) if dtype == torch.bfloat16 else (lambda k: k)
     blocks = lambda n: -(-n // 16)  # noqa: E731
     want = (2 * blocks(I) * 16 * kpad(H) * esz, blocks(H) * 16 * kpad(I) * esz)
-    assert tuple(_selected_module().packed_bytes(code(dtype), H, I)) == want
+    assert tuple(_selected_module().packed_bytes(code(dtype), H, I, 0, 0)) == want

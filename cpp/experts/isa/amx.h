@@ -1,5 +1,6 @@
-// AMX-BF16 ops for the expert kernels: the avx512_bf16 register ops plus a 2x2 tile GEMM
-// used for experts with at least Tiles::kMinRows rows.
+// AMX-BF16 and AMX-INT8 ops for the expert kernels: the avx512_bf16 register ops plus 2x2 tile
+// GEMMs (bf16, and int8 for the quantised formats) used for experts with at least
+// Tiles::kMinRows rows.
 // Included through isa/contract.h, which states and checks what this header provides.
 #pragma once
 #include <immintrin.h>
@@ -38,28 +39,39 @@ struct Tiles {
     return "";
   }
 
-  // Tile state is per thread: every tile register is 16 rows x 64 bytes.
-  static void begin() {
+  // Tile state is per thread. bf16: every tile register is 16 rows x 64 bytes.
+  static void begin() { configure(64, 16); }
+  // int8 with kstep (32 or 64) k a step: accumulators 16 x 16 int32, A tiles (4, 5) 16 rows x
+  // kstep bytes, B tiles (6, 7) kstep / 4 rows x 64 bytes.
+  static void begin_i8(int kstep) { configure(kstep, kstep / 4); }
+  static void configure(int a_colsb, int b_rows) {
     Config cfg;
     std::memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
     for (int i = 0; i < 8; ++i) {
-      cfg.colsb[i] = 64;
-      cfg.rows[i] = 16;
+      cfg.colsb[i] = uint16_t(i == 4 || i == 5 ? a_colsb : 64);
+      cfg.rows[i] = uint8_t(i >= 6 ? b_rows : 16);
     }
     _tile_loadconfig(&cfg);
   }
   static void end() { _tile_release(); }
 
-  // C[32][32] (fp32, row stride ldc) = A[32 rows, kpad] x blocks (B0, B1), kpad a multiple of 32.
-  // A is bf16 row-major with lda elements; B0/B1 are packed blocks [kpad/2][16][2].
-  // tmm0..3 accumulate, tmm4/5 hold A rows 0-15/16-31, tmm6/7 hold B0/B1.
-  static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad, float* C,
-                      int64_t ldc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+  // C[32][32] (fp32, row stride ldc) = A[32 rows, kpad] x blocks (B0, B1), plus C itself when
+  // `accumulate`; kpad a multiple of 32. A is bf16 row-major with lda elements; B0/B1 are packed
+  // blocks [kpad/2][16][2]. tmm0..3 accumulate, tmm4/5 hold A rows 0-15/16-31, tmm6/7 B0/B1.
+  static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad,
+                      bool accumulate, float* C, int64_t ldc) {
+    if (accumulate) {
+      _tile_loadd(0, C, ldc * 4);
+      _tile_loadd(1, C + 16, ldc * 4);
+      _tile_loadd(2, C + 16 * ldc, ldc * 4);
+      _tile_loadd(3, C + 16 * ldc + 16, ldc * 4);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     for (int64_t k = 0; k < kpad; k += 32) {
       _tile_loadd(4, A + k, lda * 2);
       _tile_loadd(5, A + 16 * lda + k, lda * 2);
@@ -69,6 +81,31 @@ struct Tiles {
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, C, ldc * 4);
+    _tile_stored(1, C + 16, ldc * 4);
+    _tile_stored(2, C + 16 * ldc, ldc * 4);
+    _tile_stored(3, C + 16 * ldc + 16, ldc * 4);
+  }
+
+  // C[32][32] (int32, row stride ldc) = A[32 rows, group] (int8, lda bytes a row) x the weights of
+  // two group chunks of the int8 layout (B0/B1: [group / 4][16][4] unsigned bytes), kstep k a step
+  // (begin_i8(kstep) first): tdpbsud, signed activations times unsigned weights, exact.
+  static void mma_i8_2x2(const int8_t* A, int64_t lda, const uint8_t* B0, const uint8_t* B1, int64_t group, int kstep,
+                         int32_t* C, int64_t ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < group; k += kstep) {
+      _tile_loadd(4, A + k, lda);
+      _tile_loadd(5, A + 16 * lda + k, lda);
+      _tile_loadd(6, B0 + k * 16, 64);
+      _tile_loadd(7, B1 + k * 16, 64);
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
     }
     _tile_stored(0, C, ldc * 4);
     _tile_stored(1, C + 16, ldc * 4);

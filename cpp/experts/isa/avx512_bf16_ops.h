@@ -1,5 +1,5 @@
-// AVX-512-BF16 pair ops shared by the avx512_bf16 and amx expert kernels: bf16 pairs go
-// straight into vdpbf16ps.
+// AVX-512-BF16 and VNNI ops shared by the avx512_bf16 and amx expert kernels: bf16 pairs go
+// straight into vdpbf16ps, int8 quads into vpdpbusd.
 #pragma once
 #include "experts/isa/avx512_common.h"
 
@@ -15,5 +15,23 @@ inline APair bcast_apair(const uint16_t* a) {
 }
 // vdpbf16ps: acc += a.lo * b.lo + a.hi * b.hi per lane; bf16 products are exact in fp32.
 inline V dot_pair(V acc, APair a, BPair b) { return _mm512_dpbf16_ps(acc, a, b); }
+
+// fp16 patterns widened to fp32 and narrowed to bf16: exact, an e4m3 value having 4 significant bits.
+inline BPair load_fp8_pair(const uint8_t* p) {
+  const __m512i h = fp8x32_to_f16_bits(p);
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));        // words 0..15
+  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));  // words 16..31
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// vpdpbusd: unsigned weight bytes times signed activation bytes, four per lane, into int32.
+using A4 = __m512i;
+inline A4 bcast_a4(const int8_t* a) {
+  int32_t word;
+  __builtin_memcpy(&word, a, 4);
+  return _mm512_set1_epi32(word);
+}
+inline VI dot4(VI acc, VB w, A4 a) { return _mm512_dpbusd_epi32(acc, w, a); }
+inline VI dot4_u4(VI acc, VB w, A4 a) { return _mm512_dpbusd_epi32(acc, w, a); }
 
 }  // namespace hmoe::isa

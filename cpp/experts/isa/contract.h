@@ -6,13 +6,24 @@
 //   kMR, kNR      register tile of the packed microkernels: kMR rows (1..8) x kNR blocks of 16
 //                 columns (2 or 4: w13 tasks take kNR / 2 gate/up pairs)
 //   V             16 fp32 lanes; vzero, vload, vstore, vbcast, vfma(a, b, c) = a * b + c,
-//                 vadd, vsum (horizontal), vload_f16, vload_bf16 (16 halves widened to fp32)
+//                 vadd, vmul, vsum (horizontal), vload_f16, vload_bf16 (16 halves widened to fp32)
 //   BPair, APair  a k-pair of a bf16 block ([16][2]) and a broadcast activation pair;
-//                 load_bpair, bcast_apair, dot_pair(acc, a, b) = acc + a.lo * b.lo + a.hi * b.hi
+//                 load_bpair, bcast_apair, dot_pair(acc, a, b) = acc + a.lo * b.lo + a.hi * b.hi;
+//                 load_fp8_pair(p): a k-pair row of the fp8 layout (16 x 2 float8_e4m3fn bytes)
+//                 as a BPair of the values times 2^-8 (exact; cpp/common/dtype.h)
+//   VI            16 int32 lanes: vi_zero, vi_bcast, vi_sub, vi_to_v (to fp32, exact below 2^24),
+//                 load_vi
+//   VB, A4        64 bytes of a quantised block row (16 lanes x 4 consecutive k) and 4 int8
+//                 activations for every lane: load_vb, store_vb, nib_lo / nib_hi (each byte's low / high
+//                 nibble), bcast_a4(const int8_t*);
+//                 dot4(acc, w, a) = acc + sum_j w[4 lane + j] * a[j], w unsigned bytes, exact;
+//                 dot4_u4(acc, w, a): the same for w < 16 (unpacked nibbles), maybe cheaper
 //   Tiles         the matrix unit: NoTiles where there is none, else kAvailable = true,
 //                 kMinRows (experts with fewer rows use the register kernels), begin() / end()
-//                 around a thread's tile work, ensure_permission() ("" once usable, else why
-//                 not) and mma_2x2 (C[32][32] = A[32, kpad] x two bf16 blocks)
+//                 around a thread's bf16 tile work, begin_i8(kstep) around its int8 tile work,
+//                 ensure_permission() ("" once usable, else why not), mma_2x2 (C[32][32] =
+//                 A[32, kpad] x two bf16 blocks, fp32, optionally added to C) and mma_i8_2x2 (C[32][32] int32 =
+//                 A[32, group] int8 x two int8 group chunks of unsigned bytes, kstep k a step)
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -49,10 +60,15 @@ constexpr bool TilesContract() {
     static_assert(std::is_same_v<decltype(T::kMinRows), const int64_t> && T::kMinRows >= 1, "Tiles::kMinRows");
     static_assert(std::is_same_v<decltype(T::ensure_permission()), const char*>, "Tiles::ensure_permission");
     static_assert(std::is_void_v<decltype(T::begin())> && std::is_void_v<decltype(T::end())>, "Tiles::begin/end");
-    static_assert(
-        std::is_void_v<decltype(T::mma_2x2(any<const uint16_t*>(), any<int64_t>(), any<const uint16_t*>(),
-                                           any<const uint16_t*>(), any<int64_t>(), any<float*>(), any<int64_t>()))>,
-        "Tiles::mma_2x2(A, lda, B0, B1, kpad, C, ldc)");
+    static_assert(std::is_void_v<decltype(T::begin_i8(any<int>()))>, "Tiles::begin_i8(kstep)");
+    static_assert(std::is_void_v<decltype(T::mma_2x2(any<const uint16_t*>(), any<int64_t>(), any<const uint16_t*>(),
+                                                     any<const uint16_t*>(), any<int64_t>(), any<bool>(), any<float*>(),
+                                                     any<int64_t>()))>,
+                  "Tiles::mma_2x2(A, lda, B0, B1, kpad, accumulate, C, ldc)");
+    static_assert(std::is_void_v<decltype(T::mma_i8_2x2(any<const int8_t*>(), any<int64_t>(), any<const uint8_t*>(),
+                                                        any<const uint8_t*>(), any<int64_t>(), any<int>(),
+                                                        any<int32_t*>(), any<int64_t>()))>,
+                  "Tiles::mma_i8_2x2(A, lda, B0, B1, group, kstep, C, ldc)");
   } else {
     static_assert(std::is_same_v<T, NoTiles>, "an ISA without a matrix unit uses NoTiles");
   }
@@ -73,6 +89,7 @@ constexpr bool IsaContract() {
   static_assert(std::is_same_v<decltype(vbcast(any<float>())), Vec>, "vbcast");
   static_assert(std::is_same_v<decltype(vfma(any<CV>(), any<CV>(), any<CV>())), Vec>, "vfma");
   static_assert(std::is_same_v<decltype(vadd(any<CV>(), any<CV>())), Vec>, "vadd");
+  static_assert(std::is_same_v<decltype(vmul(any<CV>(), any<CV>())), Vec>, "vmul");
   static_assert(std::is_same_v<decltype(vsum(any<CV>())), float>, "vsum");
   static_assert(std::is_same_v<decltype(vload_f16(any<H>())), Vec>, "vload_f16");
   static_assert(std::is_same_v<decltype(vload_bf16(any<H>())), Vec>, "vload_bf16");
@@ -80,6 +97,22 @@ constexpr bool IsaContract() {
   static_assert(std::is_same_v<decltype(bcast_apair(any<H>())), APair>, "bcast_apair");
   static_assert(std::is_same_v<decltype(dot_pair(any<CV>(), any<const APair&>(), any<const BPair&>())), Vec>,
                 "dot_pair");
+  static_assert(std::is_same_v<decltype(load_fp8_pair(any<const uint8_t*>())), BPair>, "load_fp8_pair");
+  static_assert(sizeof(VI) == 64 && sizeof(VB) == 64, "VI: 16 int32 lanes, VB: 64 bytes");
+  using CI = const VI&;
+  using CB = const VB&;
+  static_assert(std::is_same_v<decltype(vi_zero()), VI>, "vi_zero");
+  static_assert(std::is_same_v<decltype(vi_bcast(any<int32_t>())), VI>, "vi_bcast");
+  static_assert(std::is_same_v<decltype(vi_sub(any<CI>(), any<CI>())), VI>, "vi_sub");
+  static_assert(std::is_same_v<decltype(vi_to_v(any<CI>())), Vec>, "vi_to_v");
+  static_assert(std::is_same_v<decltype(load_vi(any<const int32_t*>())), VI>, "load_vi");
+  static_assert(std::is_same_v<decltype(load_vb(any<const uint8_t*>())), VB>, "load_vb");
+  static_assert(std::is_void_v<decltype(store_vb(any<uint8_t*>(), any<CB>()))>, "store_vb");
+  static_assert(std::is_same_v<decltype(nib_lo(any<CB>())), VB> && std::is_same_v<decltype(nib_hi(any<CB>())), VB>,
+                "nib_lo, nib_hi");
+  static_assert(std::is_same_v<decltype(bcast_a4(any<const int8_t*>())), A4>, "bcast_a4");
+  static_assert(std::is_same_v<decltype(dot4(any<CI>(), any<CB>(), any<const A4&>())), VI>, "dot4");
+  static_assert(std::is_same_v<decltype(dot4_u4(any<CI>(), any<CB>(), any<const A4&>())), VI>, "dot4_u4");
   return TilesContract<Tiles>();
 }
 static_assert(IsaContract(), "the ISA header fulfils the contract above");

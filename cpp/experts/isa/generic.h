@@ -43,6 +43,11 @@ inline V vadd(const V& a, const V& b) {
   for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
   return r;
 }
+inline V vmul(const V& a, const V& b) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i];
+  return r;
+}
 inline float vsum(const V& a) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += a.v[i];
@@ -75,10 +80,80 @@ inline BPair load_bpair(const uint16_t* p) {
   return b;
 }
 inline APair bcast_apair(const uint16_t* a) { return {bf16_to_f32(a[0]), bf16_to_f32(a[1])}; }
+inline BPair load_fp8_pair(const uint8_t* p) {
+  BPair b;
+  for (int i = 0; i < 16; ++i) {
+    b.lo.v[i] = fp8_e4m3_to_f32_scaled(p[2 * i]);
+    b.hi.v[i] = fp8_e4m3_to_f32_scaled(p[2 * i + 1]);
+  }
+  return b;
+}
 inline V dot_pair(const V& acc, const APair& a, const BPair& b) {
   V r;
   for (int i = 0; i < 16; ++i) r.v[i] = a.a1 * b.hi.v[i] + (a.a0 * b.lo.v[i] + acc.v[i]);
   return r;
 }
+
+// Integer dot products of the quantised formats.
+struct VI {
+  int32_t v[16];
+};
+struct VB {
+  uint8_t v[64];
+};
+struct A4 {
+  int32_t a[4];
+};
+inline VI vi_zero() {
+  VI r;
+  for (int i = 0; i < 16; ++i) r.v[i] = 0;
+  return r;
+}
+inline VI vi_bcast(int32_t x) {
+  VI r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline VI vi_sub(const VI& a, const VI& b) {
+  VI r;
+  for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] - b.v[i];
+  return r;
+}
+inline V vi_to_v(const VI& a) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = float(a.v[i]);
+  return r;
+}
+inline VI load_vi(const int32_t* p) {
+  VI r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline VB load_vb(const uint8_t* p) {
+  VB r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline void store_vb(uint8_t* p, const VB& w) { std::memcpy(p, w.v, sizeof(w.v)); }
+inline VB nib_lo(const VB& w) {
+  VB r;
+  for (int i = 0; i < 64; ++i) r.v[i] = uint8_t(w.v[i] & 0x0f);
+  return r;
+}
+inline VB nib_hi(const VB& w) {
+  VB r;
+  for (int i = 0; i < 64; ++i) r.v[i] = uint8_t(w.v[i] >> 4);
+  return r;
+}
+inline A4 bcast_a4(const int8_t* a) { return {{a[0], a[1], a[2], a[3]}}; }
+inline VI dot4(const VI& acc, const VB& w, const A4& a) {
+  VI r;
+  for (int i = 0; i < 16; ++i) {
+    const uint8_t* q = w.v + 4 * i;
+    r.v[i] = acc.v[i] + q[0] * a.a[0] + q[1] * a.a[1] + q[2] * a.a[2] + q[3] * a.a[3];
+  }
+  return r;
+}
+inline VI dot4_u4(const VI& acc, const VB& w, const A4& a) { return dot4(acc, w, a); }
 
 }  // namespace hmoe::isa

@@ -106,8 +106,8 @@ class HostJob:
         self._mod = experts._mod
         self._experts = experts  # keeps the packed weights alive
         self._fn, self._job = self._mod.host_job_create(
-            self.x, self.ids, self.weights, experts._w13, experts._w2, experts._code,
-            experts.num_experts, H, experts.intermediate_size, self.out.tensor, get_num_threads())
+            self.x, self.ids, self.weights, experts._w13, experts._w2, *experts._dims, self.out.tensor,
+            get_num_threads())
 
     def launch(self, x, ids, weights, out, stream) -> None:
         """On `stream`: copy x [T, H], ids [T, K] (int32) and weights [T, K] (fp32) from the GPU into

@@ -1,10 +1,20 @@
 """hmoe.ops.moe_experts_cpu: routed MoE experts on the CPU, one native module per ISA level.
 
 Precision contract (the same for every ISA variant; tests use a reference that rounds in
-these places):
-  * x is read exactly and converted to fp32; weights are read exactly in their own dtype.
+these places, hmoe._reference.moe_experts):
+  * x is read exactly and converted to fp32; weights are read exactly in their own format.
   * With bf16 weights, the activations entering each matmul (x, and h = silu(gate) * up) are
     rounded to bf16 (nearest even); with fp16/fp32 weights they stay fp32.
+  * Quantised weights (hmoe.quant.QuantizedWeights, through hmoe.CPUExperts), in k groups of the
+    weights' kernel_group (their group size; 128 for int8 per row; fp8's block columns):
+      - int8 and int4 (w = q * s_w): the activations entering each matmul are quantised to int8 per
+        (row, group): s_a = max|a| / 127 in fp32, q_a = round-half-even(a / s_a) (fp32 division),
+        a group of zeros giving 0. Each group's dot product of q_a and q is exact (int32), then
+        contributes float(dot) * (s_a * s_w) (that product in fp32) to an fp32 sum over groups in
+        group order.
+      - fp8 (float8_e4m3fn, w = q * s_block): the activations are rounded to bf16 as for bf16
+        weights; products are exact, each group's fp32 sum is multiplied by its scale and added to an
+        fp32 sum over groups in group order.
   * Products are accumulated in fp32 (the order of the reduction depends on the ISA).
   * silu(g) * u is computed in fp32 (exp to within about 2 ulp).
   * The routed sum over k is fp32, in k order; the result is rounded once to x.dtype.
@@ -57,6 +67,15 @@ def moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, *, isa: str | None = Non
     memory with the inputs). All tensors on the CPU and contiguous. `isa` forces an ISA
     level (see hmoe.compat); the default is the best this CPU runs. Inference only (no
     autograd). The module docstring gives the precision contract.
-    For repeated calls with the same weights, hmoe.CPUExperts prepacks them and is faster.
+    For repeated calls with the same weights, hmoe.CPUExperts prepacks them and is faster; it is
+    also what takes quantised weights (hmoe.quant.QuantizedWeights).
     """
-    return module(select(isa)).moe_experts(x, topk_ids, topk_weights, w13, w2, out, get_num_threads())
+    try:
+        return module(select(isa)).moe_experts(x, topk_ids, topk_weights, w13, w2, out, get_num_threads())
+    except TypeError:
+        from ..quant import QuantizedWeights
+
+        if isinstance(w13, QuantizedWeights) or isinstance(w2, QuantizedWeights):
+            raise TypeError("moe_experts_cpu takes float weights; quantised weights are packed once, by "
+                            "hmoe.CPUExperts(w13, w2), and run from there") from None
+        raise

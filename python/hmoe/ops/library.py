@@ -10,8 +10,9 @@ Importing this module registers, once (importing again, or importlib.reload, reu
       [T, H] in x.dtype (CPU kernel)
   hmoe::cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed,
                            Tensor w2_packed, int[] dims, str? isa) -> Tensor
-      what CPUExperts runs, dims = [weight dtype code, num_experts, hidden_size, intermediate_size]
-      (one int[] rather than four ints: fewer arguments to box); [T, H] in x.dtype (CPU kernel);
+      what CPUExperts runs, dims = [weight format code, num_experts, hidden_size, intermediate_size,
+      group13, group2] (CPUExperts._dims; one int[] rather than six ints: fewer arguments to box);
+      [T, H] in x.dtype (CPU kernel);
       cpu_experts_op(experts, x, topk_ids, topk_weights) calls it for a CPUExperts
   hmoe::mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table,
                    Tensor seq_lens, float sm_scale, bool return_lse, str? variant) -> (Tensor, Tensor)
@@ -141,23 +142,23 @@ moe_experts_cpu = _define(
     {"CPU": _moe_experts_cpu}, _moe_experts_cpu_fake)
 
 
+_DIMS = 6  # format code, E, H, I, group13, group2
+
+
 def _dims_error(dims) -> ValueError:
-    return ValueError("cpu_experts_packed: dims must be [weight dtype code, num_experts, hidden_size, "
-                      f"intermediate_size], got {list(dims)}")
+    return ValueError("cpu_experts_packed: dims must be [weight format code, num_experts, hidden_size, "
+                      f"intermediate_size, group13, group2], got {list(dims)}")
 
 
 def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
     mod = _experts.module(_experts.select(isa))  # both cached
-    try:
-        code, E, H, I = dims
-    except ValueError:  # not four sizes
-        raise _dims_error(dims) from None
-    return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, code, E, H, I, None,
-                                  get_num_threads())
+    if len(dims) != _DIMS:
+        raise _dims_error(dims)
+    return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, *dims, None, get_num_threads())
 
 
 def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
-    if len(dims) != 4:
+    if len(dims) != _DIMS:
         raise _dims_error(dims)
     H = dims[2]
     _check(w13_packed, "w13 (packed)", 1, (torch.uint8,), "CPU")

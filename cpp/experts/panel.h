@@ -1,0 +1,165 @@
+// The GEMM of one task of the experts op: an expert's activation rows times a run of packed weight
+// blocks, through the matrix unit (AMX tiles, K-blocked) where the ISA has one and the format and
+// row count suit it, else through the register microkernels (gemm.h). Written once over the format.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "experts/act.h"
+#include "experts/format.h"
+#include "experts/gemm.h"
+
+namespace hmoe {
+namespace HMOE_ISA {
+
+// Blocks of 16 columns per register tile that callers provide room for.
+constexpr int kMaxNR = isa::kMaxNR;
+
+// The matrix unit (isa::Tiles) where the ISA has one and the format suits it; templates so that
+// ISAs without it never instantiate the calls.
+template <class Fmt, class T = isa::Tiles>
+bool use_tiles(int64_t rows) {
+  if constexpr (T::kAvailable && Fmt::kTiles)
+    return rows >= T::kMinRows;
+  else
+    return false;
+}
+
+// The tile path: K is cut into chunks whose slice of A (rows x chunk) stays in L2 while every
+// block of the task passes over it once, so A is read from memory once per task and each weight
+// block once; C (rows x the task's columns, fp32) lives in a per-thread buffer meanwhile.
+// Rows go in runs of at most kTileRows (32-row tiles) to bound that buffer.
+constexpr int64_t kTileRows = 256;
+constexpr int64_t kTileChunkBytes = 64 << 10;  // bytes of one A row slice per chunk: 32 rows x 2 KB
+
+template <class Fmt, class T = isa::Tiles>
+void tiles_bf16(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* const* B, int nb, const PackedK& K,
+                float* C, int64_t ldc) {
+  if constexpr (T::kAvailable) {
+    const int64_t kp = Fmt::packed_k(K.kd, 0), kc = std::max<int64_t>(32, kTileChunkBytes / 32 / 2 / 32 * 32);
+    T::begin();
+    for (int64_t k0 = 0; k0 < kp; k0 += kc) {
+      const int64_t kn = std::min(kc, kp - k0);
+      for (int j = 0; j < nb; j += 2) {
+        const uint16_t* b0 = static_cast<const uint16_t*>(B[j]) + k0 * 16;
+        const uint16_t* b1 = static_cast<const uint16_t*>(B[std::min(j + 1, nb - 1)]) + k0 * 16;
+        for (int64_t r = 0; r < rows; r += 32)
+          T::mma_2x2(A.p + r * A.ld + k0, A.ld, b0, b1, kn, k0 > 0, C + r * ldc + j * kBlockN, ldc);
+      }
+    }
+    T::end();
+  }
+}
+
+// int8 / int4: per group, the tiles' exact int32 products are scaled into a 32 x 32 fp32 tile in
+// L1 (C[i][c] += float(dot - kOffset * sum_a) * (scale_a * scale_w), the register kernels' order);
+// int4 chunks are first unpacked to the int8 layout, once per pass over the rows.
+template <class Fmt, class T = isa::Tiles>
+void tiles_int(int64_t rows, const ActRows<Act::kI8>::Panel& A, const void* const* B, int nb, const PackedK& K,
+               float* C, int64_t ldc) {
+  if constexpr (T::kAvailable) {
+    const int64_t group = K.group, chunk = Fmt::chunk_bytes(group), wbytes = kBlockN * group;
+    const int kstep = int(std::min<int64_t>(64, group));
+    const int64_t gc = std::max<int64_t>(1, kTileChunkBytes / 32 / group);  // groups per chunk
+    alignas(64) int32_t acc[32 * 32];
+    alignas(64) float tile[32 * 32];
+    thread_local std::vector<uint8_t> unpacked;
+    if constexpr (Fmt::kBits == 4) unpacked.resize(size_t(2 * gc * wbytes));
+    for (int64_t i = 0; i < rows * ldc; ++i) C[i] = 0.f;  // rows a multiple of 32 here
+    T::begin_i8(kstep);
+    for (int64_t g0 = 0; g0 < K.groups; g0 += gc) {
+      const int64_t gn = std::min(gc, K.groups - g0);
+      for (int j = 0; j < nb; j += 2) {
+        const uint8_t* src[2] = {static_cast<const uint8_t*>(B[j]),
+                                 static_cast<const uint8_t*>(B[std::min(j + 1, nb - 1)])};
+        const uint8_t* w[2];  // group g0's weights of each block, then one group every `wstride`
+        int64_t wstride = chunk;
+        if constexpr (Fmt::kBits == 4) {
+          for (int h = 0; h < 2; ++h) {
+            uint8_t* dst = unpacked.data() + h * gc * wbytes;
+            for (int64_t g = 0; g < gn; ++g)
+              for (int64_t r = 0; r < group / 8; ++r) {
+                const isa::VB v = isa::load_vb(src[h] + (g0 + g) * chunk + r * 64);
+                isa::store_vb(dst + g * wbytes + 128 * r, isa::nib_lo(v));
+                isa::store_vb(dst + g * wbytes + 128 * r + 64, isa::nib_hi(v));
+              }
+            w[h] = dst;
+          }
+          wstride = wbytes;
+        } else {
+          w[0] = src[0] + g0 * chunk, w[1] = src[1] + g0 * chunk;
+        }
+        for (int64_t r = 0; r < rows; r += 32) {
+          float* c = C + r * ldc + j * kBlockN;
+          for (int i = 0; i < 32; ++i)
+            for (int h = 0; h < 2; ++h) isa::vstore(tile + i * 32 + h * 16, isa::vload(c + i * ldc + h * 16));
+          for (int64_t g = 0; g < gn; ++g) {
+            const int64_t gg = g0 + g;
+            T::mma_i8_2x2(A.q + r * A.ld + gg * group, A.ld, w[0] + g * wstride, w[1] + g * wstride, group, kstep, acc,
+                          32);
+            for (int h = 0; h < 2; ++h) {
+              const V sw = isa::vload(reinterpret_cast<const float*>(src[h] + gg * chunk + chunk - kBlockN * 4));
+              for (int i = 0; i < 32; ++i) {
+                const int64_t ig = (r + i) * A.ldg + gg;
+                const V s = isa::vmul(isa::vbcast(A.scale[ig]), sw);
+                const isa::VI d =
+                    isa::vi_sub(isa::load_vi(acc + i * 32 + h * 16), isa::vi_bcast(Fmt::kOffset * A.sum[ig]));
+                float* t = tile + i * 32 + h * 16;
+                isa::vstore(t, isa::vfma(isa::vi_to_v(d), s, isa::vload(t)));
+              }
+            }
+          }
+          for (int i = 0; i < 32; ++i)
+            for (int h = 0; h < 2; ++h) isa::vstore(c + i * ldc + h * 16, isa::vload(tile + i * 32 + h * 16));
+        }
+      }
+    }
+    T::end();
+  }
+}
+
+// Runs C = A rows x blocks B[0..nb) for `rows` rows (any count) and calls
+// epi(row0, m, b0, nbk, C, ldc) for runs of m rows and blocks [b0, b0 + nbk):
+// C[i][16 * (b - b0) + c] is row row0 + i, column c of block b.
+template <class Fmt, typename Epi>
+void task_gemm(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* const* B, int nb, const PackedK& K,
+               Epi&& epi) {
+  using M = Micro<Fmt>;
+  if constexpr (Fmt::kTiles) {
+    if (use_tiles<Fmt>(rows)) {
+      thread_local std::vector<float> cbuf;
+      const int64_t ldc = round_up(nb, 2) * kBlockN;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int64_t rn = std::min(kTileRows, rows - r0), rpad = round_up(rn, 32);
+        cbuf.resize(size_t(rpad * ldc));
+        const auto a = M::offset(A, r0);
+        if constexpr (Fmt::kAct == Act::kI8) {
+          tiles_int<Fmt>(rpad, a, B, nb, K, cbuf.data(), ldc);
+        } else {
+          tiles_bf16<Fmt>(rpad, a, B, nb, K, cbuf.data(), ldc);
+        }
+        for (int64_t r = 0; r < rn; r += 32)
+          epi(r0 + r, int(std::min<int64_t>(32, rn - r)), 0, nb, cbuf.data() + r * ldc, ldc);
+      }
+      return;
+    }
+  }
+  constexpr int64_t ldc = kMaxNR * kBlockN;
+  alignas(64) float C[isa::kMR * ldc];
+  for (int j = 0; j < nb; j += isa::kNR) {
+    const int nr = std::min(isa::kNR, nb - j);
+    for (int64_t r = 0; r < rows; r += M::kMR) {
+      const int m = int(std::min<int64_t>(M::kMR, rows - r));
+      with_count<M::kMR>(m, [&](auto mr) {
+        with_count<isa::kNR>(nr, [&](auto NR) {
+          M::template packed<decltype(mr)::value, decltype(NR)::value>(M::offset(A, r), B + j, K, C, ldc);
+        });
+      });
+      epi(r, m, j, nr, static_cast<const float*>(C), ldc);
+    }
+  }
+}
+
+}  // namespace HMOE_ISA
+}  // namespace hmoe
