@@ -156,6 +156,30 @@ def test_err_column_against_an_independent_reference(tmp_path, capsys, monkeypat
     assert f"{err:.1e}" in [line for line in table_rows(out) if "CPUExperts" in line][0]
 
 
+def test_rows_for_every_format(tmp_path, capsys):
+    """The real path: hmoe.quant of the bench's weights into CPUExperts, every format measured and
+    checked against its contract reference."""
+    formats = list(experts_run.FORMATS)
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "1,5", "--formats", ",".join(formats),
+                              "--int4-group", "32", args=[TINY[0], "256,128,8,2", *TINY[2:]])
+    assert rc == 0, out
+    rows = {(r["format"], r["T"]): r for r in data["results"] if r["impl"] == "CPUExperts"}
+    assert set(rows) == {(f, T) for f in formats for T in (1, 5)}
+    for (f, T), r in rows.items():
+        assert "error" not in r, r
+        assert r["hmoe_format"] == f and r["x_dtype"] == experts_run.weight_dtype_name(f)
+        assert r["ms"] > 0 and r["b2b_ms"] > 0 and r["read_frac"] > 0 and r["b2b_read_frac"] > 0
+        assert r["bytes_per_expert"] * 8 == r["packed_bytes"]  # packed bytes of one expert, scales included
+        c, w_dtype = r["check"], f if f in experts_run.QUANT_FORMATS else bench.torch_dtype(f)
+        assert c["ok"] and c["tol"] == _reference.tolerance("moe_experts", bench.torch_dtype(r["x_dtype"]), w_dtype=w_dtype)
+        assert c["tokens"] == T
+        assert 0 < r["err_fp64"] < 0.3
+    per_expert = {f: rows[(f, 1)]["bytes_per_expert"] for f in formats}
+    assert per_expert["int4"] < per_expert["int8"] <= per_expert["fp8"] < per_expert["bf16"] < per_expert["fp32"]
+    err = {f: rows[(f, 5)]["err_fp64"] for f in formats}  # against the original weights: what each format loses
+    assert err["fp32"] < err["bf16"] < err["fp8"] < err["int4"] and err["int8"] < err["int4"]
+
+
 def test_quantised_formats_never_crash_the_bench(tmp_path, capsys, monkeypatch):
     real = hmoe.CPUExperts
 

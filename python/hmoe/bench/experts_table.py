@@ -66,6 +66,6 @@ def legend(idle_ms: float, flush: bool, peer: bool) -> str:
         "busy = CPU share other processes took meanwhile (over ~10% makes timings unreliable);",
         "err(fp32 ref) = normwise rel. error of the first cold call's output against fp64 math on the "
         f"original (unquantised) weights and this row's x{kt};",
-        "check = hmoe against an fp64 reference that rounds where hmoe's precision contract does (FAIL over "
-        "its tolerance; quantised formats: the first tokens of the call)",
+        "check = the same output against an fp64 reference that rounds (quantised formats: quantises the "
+        "activations) where hmoe's precision contract does, FAIL over its tolerance",
     ])
