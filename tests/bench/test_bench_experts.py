@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hmoe  # noqa: E402
-from hmoe import _reference  # noqa: E402
+from hmoe import _reference, quant  # noqa: E402
 from hmoe.bench import experts as bench  # noqa: E402
 from hmoe.bench import experts_run, kt_peer, membw  # noqa: E402
 
@@ -263,16 +263,19 @@ def test_time_block_cold_then_back_to_back():
                    ("call", 2), ("call", 0), ("call", 1), ("call", 2)]
 
 
-def test_grouped_reference_is_the_reference_module():
-    shape = bench.Shape("t", 64, 32, 6, 3, 6)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        w13, w2 = bench.make_weights(shape, dtype, 1, lambda m: None)
-        x, ids, wts = bench.make_inputs(shape, 7, dtype, 2)
-        for contract in (False, True):
-            want = _reference.moe_experts(x, ids, wts, w13, w2, contract=contract)
-            got = experts_run.reference_fp64(x, ids, wts, w13, w2,
-                                             bf16_activations=contract and dtype == torch.bfloat16)
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+def test_reference_one_expert_at_a_time_is_the_reference_module():
+    shape = bench.Shape("t", 128, 64, 6, 3, 6)
+    for fmt in experts_run.FORMATS:
+        w13, w2 = bench.make_weights(shape, bench.torch_dtype(experts_run.weight_dtype_name(fmt)), 1, lambda m: None)
+        if fmt in experts_run.QUANT_FORMATS:
+            kw = {"int4": {"group_size": 32}}.get(fmt, {})  # int8 per row, int4 in groups, fp8 in blocks
+            w13, w2 = quant.quantize(w13, fmt, **kw), quant.quantize(w2, fmt, **kw)
+        for x_dtype in (torch.float32, torch.bfloat16):
+            x, ids, wts = bench.make_inputs(shape, 7, x_dtype, 2)
+            for contract in (False, True):
+                want = _reference.moe_experts(x, ids, wts, w13, w2, contract=contract)
+                got = experts_run.reference(x, ids, wts, w13, w2, contract=contract)
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=f"{fmt} {x_dtype} {contract}")
 
 
 def test_torch_loop_matches_fp64_formula():

@@ -88,27 +88,30 @@ def quantise(fmt: str, w13, w2, opts):
     return quant.quantize(w13, fmt, **kw), quant.quantize(w2, fmt, **kw)
 
 
-def reference_fp64(x, topk_ids, topk_weights, w13, w2, *, bf16_activations: bool = False):
-    """fp64 [T, H]: the math of hmoe._reference.moe_experts, grouped by expert so that each expert's
-    weights are converted to fp64 once (the token-by-token reference converts them per token, too
-    slow at V3's sizes). bf16_activations rounds the activations entering each matmul to bf16, as
-    hmoe's contract does for bf16 weights (moe_experts(contract=True))."""
+def reference(x, topk_ids, topk_weights, w13, w2, *, contract: bool = False):
+    """fp64 [T, H]: hmoe._reference.moe_experts (float tensors or QuantizedWeights; contract=False:
+    nothing rounded, quantised weights dequantised; True: rounded where hmoe's precision contract
+    rounds), called one expert at a time: it turns all the weights it is given into fp64 at once,
+    11 GB for V3's 32 resident experts."""
     import torch
-    import torch.nn.functional as F
 
-    inter = w2.shape[2]
-
-    def act(v):
-        return v.to(torch.bfloat16).double() if bf16_activations else v
-
-    xd = act(x.double())
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for e in torch.unique(topk_ids).tolist():
         tokens, slots = torch.where(topk_ids == e)
-        h = xd[tokens] @ w13[e].double().T
-        y = act(F.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].double().T
-        out.index_add_(0, tokens, y * topk_weights[tokens, slots].double()[:, None])
+        only_e = torch.zeros(len(tokens), 1, dtype=topk_ids.dtype)  # expert e is expert 0 of the one-expert weights
+        out.index_add_(0, tokens, _reference.moe_experts(x[tokens], only_e, topk_weights[tokens, slots].unsqueeze(1),
+                                                         _one_expert(w13, e), _one_expert(w2, e), contract=contract))
     return out
+
+
+def _one_expert(w, e: int):
+    """Expert e of [E, N, K] weights as [1, N, K] (QuantizedWeights: same format, groups, blocks)."""
+    from hmoe import quant
+
+    if not isinstance(w, quant.QuantizedWeights):
+        return w[e : e + 1]
+    return quant.QuantizedWeights(w.format, w.data[e : e + 1], w.scales[e : e + 1], (1, *w.shape[1:]),
+                                  group_size=w.group_size, block=w.block)
 
 
 def rel_err(out, ref) -> float | None:
@@ -130,36 +133,6 @@ def check(out, ref, x, tol: float, **extra) -> dict:
     err = rel_err(out, ref)
     finite = math.isfinite(err)
     return {"ok": finite and err <= tol, "rel_err": err, "tol": tol, **extra, "why": "" if finite else "non-finite output"}
-
-
-def quantised_check(out, x, ids, weights, qw13, qw2) -> dict:
-    """hmoe's quantised output against hmoe._reference's contract reference for the format (the
-    kernels' activation rounding or quantisation and scale products), every token, one expert at a
-    time: that reference turns all the weights it is given into fp64 at once, which does not fit
-    next to V3's. ok=None with the reason where hmoe has no such reference."""
-    import torch
-
-    ref = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    try:
-        tol = _reference.tolerance("moe_experts", x.dtype, w_dtype=qw13.format)
-        for e in torch.unique(ids).tolist():
-            tokens, slots = torch.where(ids == e)
-            one13, one2 = _expert_subset(qw13, [e]), _expert_subset(qw2, [e])
-            only_e = torch.zeros(len(tokens), 1, dtype=ids.dtype)  # expert e is expert 0 of the subset
-            ref.index_add_(0, tokens, _reference.moe_experts(x[tokens], only_e, weights[tokens, slots].unsqueeze(1),
-                                                             one13, one2))
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        why = f"hmoe._reference has no {qw13.format} contract reference ({type(e).__name__}: {e})"
-        return {"ok": None, "rel_err": None, "tol": None, "why": why.splitlines()[0]}
-    return check(out, ref, x, tol, tokens=x.shape[0])
-
-
-def _expert_subset(qw, experts):
-    """QuantizedWeights of the given experts only (same format, groups, blocks)."""
-    from hmoe import quant
-
-    return quant.QuantizedWeights(qw.format, qw.data[experts], qw.scales[experts], (len(experts), *qw.shape[1:]),
-                                  group_size=qw.group_size, block=qw.block)
 
 
 @dataclasses.dataclass
@@ -341,7 +314,7 @@ def run_shape_format(shape, fmt, w13, w2, ctx):
             measured.append((row, out))
         if T in peer:
             measured.append(peer[T])
-        _accuracy(measured, inputs[T](0), w13, w2, quantised, fmt)
+        _accuracy(measured, inputs[T](0), w13, w2, quantised)
         _ratios([row for row, _ in measured])
         for row, _ in measured:
             ctx.emit(row)
@@ -349,27 +322,32 @@ def run_shape_format(shape, fmt, w13, w2, ctx):
         f.cache_clear()
 
 
-def _accuracy(measured, batch, w13, w2, quantised, fmt):
-    """err_fp64 of every row; hmoe's contract check (float formats: every token against the
-    rounding-aware fp64 reference; quantised: hmoe._reference's, expert by expert)."""
-    import torch
-
+def _accuracy(measured, batch, w13, w2, quantised):
+    """err_fp64 of every row against the original weights; hmoe's rows also get the check against
+    hmoe._reference's contract reference for the weights hmoe was given (the quantised ones for
+    int8/int4/fp8), or ok=None with the reason where hmoe has no such reference."""
     x, ids, weights = batch
     if not any(out is not None for _, out in measured):
         return
-    ref = reference_fp64(x, ids, weights, w13, w2)
-    contract_ref = (reference_fp64(x, ids, weights, w13, w2, bf16_activations=True)
-                    if w13.dtype == torch.bfloat16 and fmt in FLOAT_FORMATS else ref)
+    ref = reference(x, ids, weights, w13, w2)
     for row, out in measured:
-        if out is None:
-            continue
-        row["err_fp64"] = rel_err(out, ref)
-        if row["impl"] in ("CPUExperts", "moe_experts_cpu"):
-            if quantised is None:
-                tol = _reference.tolerance("moe_experts", x.dtype, w_dtype=w13.dtype)
-                row["check"] = check(out, contract_ref, x, tol, tokens=x.shape[0])
-            else:
-                row["check"] = quantised_check(out, x, ids, weights, *quantised)
+        if out is not None:
+            row["err_fp64"] = rel_err(out, ref)
+    hmoe_rows = [(row, out) for row, out in measured if out is not None and row["impl"] in ("CPUExperts", "moe_experts_cpu")]
+    if not hmoe_rows:
+        return
+    given = quantised or (w13, w2)
+    fmt = getattr(given[0], "format", None) or given[0].dtype
+    try:
+        tol = _reference.tolerance("moe_experts", x.dtype, w_dtype=fmt)
+        contract_ref = reference(x, ids, weights, *given, contract=True)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        why = f"hmoe._reference has no contract reference for {fmt} weights ({type(e).__name__}: {e})".splitlines()[0]
+        for row, _ in hmoe_rows:
+            row["check"] = {"ok": None, "rel_err": None, "tol": None, "why": why}
+        return
+    for row, out in hmoe_rows:
+        row["check"] = check(out, contract_ref, x, tol, tokens=x.shape[0])
 
 
 def _ratios(rows):
