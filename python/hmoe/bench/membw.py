@@ -160,7 +160,8 @@ class CacheFlusher:
     Then it idles `idle_s` (default 10 ms): torch's OpenMP workers spin after the read (GNU
     OpenMP's default wait policy) and would take the cores from whichever implementation runs
     next; both the torch loop and hmoe start from a quiet machine this way. Pass a longer idle
-    where other thread pools spin longer (kt-kernel's workers: about 50 ms)."""
+    where other thread pools spin longer (kt-kernel's workers: about 50 ms). Disabled, it only
+    idles."""
 
     def __init__(self, enabled: bool = True, idle_s: float = 0.01):
         self.enabled, self.idle_s = enabled, idle_s
