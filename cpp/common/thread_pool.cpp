@@ -92,11 +92,16 @@ void ThreadPool::run_tasks(int worker) {
 }
 
 void ThreadPool::worker_loop(int id, uint64_t seen) {
+  uint64_t woken = wakes_.load();
   for (;;) {
     spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_work_.wait(lk, [&] { return generation_ != seen && id <= active_workers_; });
+      cv_work_.wait(lk, [&] { return (generation_ != seen && id <= active_workers_) || wakes_ != woken; });
+      if (generation_ == seen || id > active_workers_) {  // woken ahead of a job: spin for it
+        woken = wakes_;
+        continue;
+      }
       seen = generation_;
     }
     run_tasks(id);
@@ -105,6 +110,17 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
       if (running_.fetch_sub(1) == 1) cv_done_.notify_all();
     }
   }
+}
+
+void ThreadPool::wake(int n_threads) {
+  n_threads = std::clamp(n_threads, 1, kMaxThreads);
+  if (n_threads == 1) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ensure_workers(n_threads - 1);
+    ++wakes_;
+  }
+  cv_work_.notify_all();
 }
 
 void ThreadPool::parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64_t, int)>& fn) {

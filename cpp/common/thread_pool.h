@@ -25,6 +25,11 @@ class ThreadPool {
   // usable with the workers it has.
   void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64_t task, int worker)>& fn);
 
+  // Wakes the workers a parallel_for on n_threads threads will use, so that they are spinning
+  // when it comes (a sleeping worker's futex wake-up costs tens of microseconds): call it before
+  // the serial work that precedes a parallel phase. Threads not used soon go back to sleep.
+  void wake(int n_threads);
+
   // This process's pool. After fork() the child's copy of the parent's pool is abandoned
   // (its workers do not exist there and its mutexes and condition variables may be held by
   // them or list them as waiters: using it would hang) and a new one is made on first use.
@@ -45,8 +50,9 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   // Written under mu_; atomic so that spinning threads can read them without the lock.
   std::atomic<uint64_t> generation_{0};
-  int active_workers_ = 0;       // workers (excluding caller) taking part in this job
-  std::atomic<int> running_{0};  // workers still inside the current job
+  std::atomic<uint64_t> wakes_{0};  // bumped by wake()
+  int active_workers_ = 0;          // workers (excluding caller) taking part in this job
+  std::atomic<int> running_{0};     // workers still inside the current job
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_{0};

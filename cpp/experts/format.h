@@ -51,14 +51,16 @@ enum class Act { kF32, kBF16, kI8 };
 //   kKGroup    consecutive k of one column stored side by side in a block (1, 2 or 4)
 //   kKAlign    an unscaled block's Kd is rounded up to a multiple of this (zeros)
 //   kScaled    weights carry one fp32 scale per (column, group of k); the group is a run-time
-//              property of a packed matrix (32, 64 or 128), Kd is padded to a multiple of it
+//              property of a packed matrix (valid_group), Kd is padded to a multiple of it
 //   kOffset    quantised values are stored as q + kOffset (unsigned); 0 for float formats
 //   kAct       the activation form (Act above)
 //   kTiles     the matrix unit (isa::Tiles, AMX) multiplies this format
 template <int32_t Code>
 struct Format;
 
-inline bool valid_group(int64_t group) { return group == 32 || group == 64 || group == 128; }
+// k groups a scaled format may be packed with: 32, 64, or a multiple of 128 (int8 scaled per row
+// takes its whole row, rounded up, as one group).
+inline bool valid_group(int64_t group) { return group == 32 || group == 64 || (group >= 128 && group % 128 == 0); }
 
 // Sizes every format derives the same way from its constants; `group` is ignored (0) for
 // unscaled formats.
@@ -204,7 +206,7 @@ inline void check_group(int32_t code, int64_t group, const char* what) {
     if (decltype(f)::kScaled ? !valid_group(group) : group != 0)
       throw std::invalid_argument(std::string(what) + ": k group " + std::to_string(group) + " does not suit the " +
                                   format_name(code) + " format (" +
-                                  (decltype(f)::kScaled ? "32, 64 or 128" : "0: no scales") + ")");
+                                  (decltype(f)::kScaled ? "32, 64 or a multiple of 128" : "0: no scales") + ")");
   });
 }
 

@@ -155,6 +155,12 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   const int64_t wsz = sizeof(typename Fmt::Elem);  // unpacked (float) weights
   constexpr bool kQuantAct = Fmt::kAct == Act::kI8;
 
+  // Weight bytes streamed, times the 16-row register tiles each block meets (compute grows with rows).
+  const int64_t tiles = ceil_div(r.max_rows, 16);
+  const int64_t n_active = int64_t(r.active.size());
+  const int threads1 = threads_for(n_active * bytes13 * tiles, threads);
+  pool.wake(threads1);  // the gather below runs while the workers get going
+
   ActRows<Fmt::kAct> X, Hact;
   alloc_rows<Fmt>(X, S, Fmt::packed_k(p.H, p.group13), p.group13);
   const int64_t ldh = std::max(Fmt::packed_k(p.I, p.group2), n_pairs * kBlockN);
@@ -196,11 +202,8 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   };
 
   // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
-  // Weight bytes streamed, times the 16-row register tiles each block meets (compute grows with rows).
-  const int64_t tiles = ceil_div(r.max_rows, 16);
-  const int64_t n_active = int64_t(r.active.size());
   auto tasks1 = make_tasks(r, n_pairs, isa::kNR / 2, threads);
-  pool.parallel_for(int64_t(tasks1.size()), threads_for(n_active * bytes13 * tiles, threads), [&](int64_t ti, int w) {
+  pool.parallel_for(int64_t(tasks1.size()), threads1, [&](int64_t ti, int w) {
     const Task& tk = tasks1[size_t(ti)];
     const int64_t e = r.active[size_t(tk.a)];
     const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;

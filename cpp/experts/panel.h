@@ -4,6 +4,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "experts/act.h"
@@ -26,18 +27,39 @@ bool use_tiles(int64_t rows) {
     return false;
 }
 
-// The tile path: K is cut into chunks whose slice of A (rows x chunk) stays in L2 while every
-// block of the task passes over it once, so A is read from memory once per task and each weight
-// block once; C (rows x the task's columns, fp32) lives in a per-thread buffer meanwhile.
-// Rows go in runs of at most kTileRows (32-row tiles) to bound that buffer.
+// The tile path. A's rows are first copied into the matrix unit's tile order (TileA), so that a
+// tile load reads 16 rows of kw contiguous bytes instead of 16 rows K bytes apart (16 pages for
+// large K). K is cut into chunks whose slice of A stays in L2 while every block of the task
+// passes over it once, so A is read from memory once per task and each weight block once; C
+// (rows x the task's columns, fp32) lives in a per-thread buffer meanwhile. Rows go in runs of at
+// most kTileRows (32-row tiles) to bound those buffers.
 constexpr int64_t kTileRows = 256;
 constexpr int64_t kTileChunkBytes = 64 << 10;  // bytes of one A row slice per chunk: 32 rows x 2 KB
 
+// Rows of A in tile order: [rows / 16][kbytes / kw][16][kw] bytes.
+struct TileA {
+  const char* p;
+  int64_t kw, ncols;
+  // The tile of rows [r, r + 16) (r a multiple of 16) and the kw bytes from byte kb of each row.
+  const char* at(int64_t r, int64_t kb) const { return p + ((r / 16) * ncols + kb / kw) * 16 * kw; }
+};
+
+// `rows` (a multiple of 16) rows of kbytes bytes (a multiple of kw), row stride lda bytes.
+inline TileA pack_tiles(const char* a, int64_t lda, int64_t rows, int64_t kbytes, int64_t kw, std::vector<char>& buf) {
+  const int64_t ncols = kbytes / kw;
+  buf.resize(size_t(rows * kbytes));
+  char* d = buf.data();
+  for (int64_t r = 0; r < rows; r += 16)
+    for (int64_t c = 0; c < ncols; ++c)
+      for (int64_t i = 0; i < 16; ++i, d += kw) std::memcpy(d, a + (r + i) * lda + c * kw, size_t(kw));
+  return {buf.data(), kw, ncols};
+}
+
 template <class Fmt, class T = isa::Tiles>
-void tiles_bf16(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* const* B, int nb, const PackedK& K,
-                float* C, int64_t ldc) {
+void tiles_bf16(int64_t rows, const TileA& A, const void* const* B, int nb, const PackedK& K, float* C, int64_t ldc) {
   if constexpr (T::kAvailable) {
     const int64_t kp = Fmt::packed_k(K.kd, 0), kc = std::max<int64_t>(32, kTileChunkBytes / 32 / 2 / 32 * 32);
+    const int64_t astep = 16 * 32;  // elements between the tiles of consecutive 32-k steps
     T::begin();
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
       const int64_t kn = std::min(kc, kp - k0);
@@ -45,7 +67,9 @@ void tiles_bf16(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* c
         const uint16_t* b0 = static_cast<const uint16_t*>(B[j]) + k0 * 16;
         const uint16_t* b1 = static_cast<const uint16_t*>(B[std::min(j + 1, nb - 1)]) + k0 * 16;
         for (int64_t r = 0; r < rows; r += 32)
-          T::mma_2x2(A.p + r * A.ld + k0, A.ld, b0, b1, kn, k0 > 0, C + r * ldc + j * kBlockN, ldc);
+          T::mma_2x2(reinterpret_cast<const uint16_t*>(A.at(r, 2 * k0)),
+                     reinterpret_cast<const uint16_t*>(A.at(r + 16, 2 * k0)), 32, astep, b0, b1, kn, k0 > 0,
+                     C + r * ldc + j * kBlockN, ldc);
       }
     }
     T::end();
@@ -54,13 +78,14 @@ void tiles_bf16(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* c
 
 // int8 / int4: per group, the tiles' exact int32 products are scaled into a 32 x 32 fp32 tile in
 // L1 (C[i][c] += float(dot - kOffset * sum_a) * (scale_a * scale_w), the register kernels' order);
-// int4 chunks are first unpacked to the int8 layout, once per pass over the rows.
+// int4 chunks are first unpacked to the int8 layout, once per pass over the rows. A: the tile order
+// of the int8 rows (kw = kstep), As: their scales and sums.
 template <class Fmt, class T = isa::Tiles>
-void tiles_int(int64_t rows, const ActRows<Act::kI8>::Panel& A, const void* const* B, int nb, const PackedK& K,
-               float* C, int64_t ldc) {
+void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As, const void* const* B, int nb,
+               const PackedK& K, float* C, int64_t ldc) {
   if constexpr (T::kAvailable) {
     const int64_t group = K.group, chunk = Fmt::chunk_bytes(group), wbytes = kBlockN * group;
-    const int kstep = int(std::min<int64_t>(64, group));
+    const int kstep = int(A.kw);
     const int64_t gc = std::max<int64_t>(1, kTileChunkBytes / 32 / group);  // groups per chunk
     alignas(64) int32_t acc[32 * 32];
     alignas(64) float tile[32 * 32];
@@ -96,15 +121,16 @@ void tiles_int(int64_t rows, const ActRows<Act::kI8>::Panel& A, const void* cons
             for (int h = 0; h < 2; ++h) isa::vstore(tile + i * 32 + h * 16, isa::vload(c + i * ldc + h * 16));
           for (int64_t g = 0; g < gn; ++g) {
             const int64_t gg = g0 + g;
-            T::mma_i8_2x2(A.q + r * A.ld + gg * group, A.ld, w[0] + g * wstride, w[1] + g * wstride, group, kstep, acc,
-                          32);
+            const int8_t* a0 = reinterpret_cast<const int8_t*>(A.at(r, gg * group));
+            const int8_t* a1 = reinterpret_cast<const int8_t*>(A.at(r + 16, gg * group));
+            T::mma_i8_2x2(a0, a1, kstep, 16 * kstep, w[0] + g * wstride, w[1] + g * wstride, group, kstep, acc, 32);
             for (int h = 0; h < 2; ++h) {
               const V sw = isa::vload(reinterpret_cast<const float*>(src[h] + gg * chunk + chunk - kBlockN * 4));
               for (int i = 0; i < 32; ++i) {
-                const int64_t ig = (r + i) * A.ldg + gg;
-                const V s = isa::vmul(isa::vbcast(A.scale[ig]), sw);
+                const int64_t ig = (r + i) * As.ldg + gg;
+                const V s = isa::vmul(isa::vbcast(As.scale[ig]), sw);
                 const isa::VI d =
-                    isa::vi_sub(isa::load_vi(acc + i * 32 + h * 16), isa::vi_bcast(Fmt::kOffset * A.sum[ig]));
+                    isa::vi_sub(isa::load_vi(acc + i * 32 + h * 16), isa::vi_bcast(Fmt::kOffset * As.sum[ig]));
                 float* t = tile + i * 32 + h * 16;
                 isa::vstore(t, isa::vfma(isa::vi_to_v(d), s, isa::vload(t)));
               }
@@ -134,10 +160,14 @@ void task_gemm(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* co
         const int64_t rn = std::min(kTileRows, rows - r0), rpad = round_up(rn, 32);
         cbuf.resize(size_t(rpad * ldc));
         const auto a = M::offset(A, r0);
+        thread_local std::vector<char> abuf;
         if constexpr (Fmt::kAct == Act::kI8) {
-          tiles_int<Fmt>(rpad, a, B, nb, K, cbuf.data(), ldc);
+          const TileA t =
+              pack_tiles(reinterpret_cast<const char*>(a.q), a.ld, rpad, a.ld, std::min<int64_t>(64, K.group), abuf);
+          tiles_int<Fmt>(rpad, t, a, B, nb, K, cbuf.data(), ldc);
         } else {
-          tiles_bf16<Fmt>(rpad, a, B, nb, K, cbuf.data(), ldc);
+          const TileA t = pack_tiles(reinterpret_cast<const char*>(a.p), 2 * a.ld, rpad, 2 * a.ld, 64, abuf);
+          tiles_bf16<Fmt>(rpad, t, B, nb, K, cbuf.data(), ldc);
         }
         for (int64_t r = 0; r < rn; r += 32)
           epi(r0 + r, int(std::min<int64_t>(32, rn - r)), 0, nb, cbuf.data() + r * ldc, ldc);

@@ -15,9 +15,9 @@ The scales are fp32; the dequantised weight is q * s in fp32. A group or block w
 zero has scale 0. QuantizedWeights pickles (plain tensors and a version number).
 
 hmoe.CPUExperts takes QuantizedWeights for w13 and w2 (the same format for both); its kernels work
-in k groups of `kernel_group` (the group size; 128 for int8 per row; fp8's block columns, which
-must then be 32, 64 or 128), the unit in which they also quantise the activations (the precision
-contract is in hmoe.ops.experts).
+in k groups of `kernel_group` (the group size; for int8 per row the whole row, K rounded up to a
+multiple of 128; fp8's block columns, which must then be 32, 64 or 128), the unit in which they also
+quantise the activations (the precision contract is in hmoe.ops.experts).
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ FORMATS = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _QMAX = {"int8": 127, "int4": 7}
-KERNEL_ROW_GROUP = 128  # the kernels' k group (activation quantisation) for int8 weights scaled per row
 
 
 class QuantizedWeights:
@@ -57,10 +56,12 @@ class QuantizedWeights:
 
     @property
     def kernel_group(self) -> int:
-        """k per group in hmoe's CPU kernels: the group size, 128 for int8 per row, fp8's block columns."""
+        """k per group in hmoe's CPU kernels: the group size; for int8 per row the whole row (K
+        rounded up to a multiple of 128: one activation scale a row, one scaling of each dot
+        product); fp8's block columns."""
         if self.format == "fp8":
             return self.block[1]
-        return self.group_size or KERNEL_ROW_GROUP
+        return self.group_size or -(-self.shape[-1] // 128) * 128
 
     def dequantize(self):
         return dequantize(self)

@@ -104,8 +104,8 @@ def test_attributes_bytes_and_repr():
     # 16 columns a block, per group of 128: 1024 bytes of nibbles and 64 of scales
     assert e.packed_bytes == 3 * (2 * 8 * 2 * 1088 + 16 * 1 * 1088)
     assert "format='int4'" in repr(e) and "groups=(128, 128)" in repr(e)
-    f = hmoe.CPUExperts(*_problem(2, 256, 128, 3, 2, "int8", None)[3:])
-    assert (f.format, f.group13, f.group2) == ("int8", quant.KERNEL_ROW_GROUP, quant.KERNEL_ROW_GROUP)
+    f = hmoe.CPUExperts(*_problem(2, 200, 128, 3, 2, "int8", None)[3:])  # per row: the whole row a group
+    assert (f.format, f.group13, f.group2) == ("int8", 256, 128)
     b = hmoe.CPUExperts(torch.randn(3, 256, 256).bfloat16(), torch.randn(3, 256, 128).bfloat16())
     assert (b.format, b.dtype, b.group13) == ("bf16", torch.bfloat16, 0)
 

@@ -57,10 +57,11 @@ struct Tiles {
   static void end() { _tile_release(); }
 
   // C[32][32] (fp32, row stride ldc) = A[32 rows, kpad] x blocks (B0, B1), plus C itself when
-  // `accumulate`; kpad a multiple of 32. A is bf16 row-major with lda elements; B0/B1 are packed
-  // blocks [kpad/2][16][2]. tmm0..3 accumulate, tmm4/5 hold A rows 0-15/16-31, tmm6/7 B0/B1.
-  static void mma_2x2(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kpad,
-                      bool accumulate, float* C, int64_t ldc) {
+  // `accumulate`; kpad a multiple of 32. A (bf16): the tile of rows 0-15 of the t-th 32-k step at
+  // A0 + t * astep, rows 16-31 at A1 + t * astep, lda elements between a tile's rows; B0/B1 are
+  // packed blocks [kpad/2][16][2]. tmm0..3 accumulate, tmm4/5 hold the A tiles, tmm6/7 B0/B1.
+  static void mma_2x2(const uint16_t* A0, const uint16_t* A1, int64_t lda, int64_t astep, const uint16_t* B0,
+                      const uint16_t* B1, int64_t kpad, bool accumulate, float* C, int64_t ldc) {
     if (accumulate) {
       _tile_loadd(0, C, ldc * 4);
       _tile_loadd(1, C + 16, ldc * 4);
@@ -72,9 +73,9 @@ struct Tiles {
       _tile_zero(2);
       _tile_zero(3);
     }
-    for (int64_t k = 0; k < kpad; k += 32) {
-      _tile_loadd(4, A + k, lda * 2);
-      _tile_loadd(5, A + 16 * lda + k, lda * 2);
+    for (int64_t k = 0, t = 0; k < kpad; k += 32, t += astep) {
+      _tile_loadd(4, A0 + t, lda * 2);
+      _tile_loadd(5, A1 + t, lda * 2);
       _tile_loadd(6, B0 + k * 16, 64);
       _tile_loadd(7, B1 + k * 16, 64);
       _tile_dpbf16ps(0, 4, 6);
@@ -88,18 +89,19 @@ struct Tiles {
     _tile_stored(3, C + 16 * ldc + 16, ldc * 4);
   }
 
-  // C[32][32] (int32, row stride ldc) = A[32 rows, group] (int8, lda bytes a row) x the weights of
-  // two group chunks of the int8 layout (B0/B1: [group / 4][16][4] unsigned bytes), kstep k a step
-  // (begin_i8(kstep) first): tdpbsud, signed activations times unsigned weights, exact.
-  static void mma_i8_2x2(const int8_t* A, int64_t lda, const uint8_t* B0, const uint8_t* B1, int64_t group, int kstep,
-                         int32_t* C, int64_t ldc) {
+  // C[32][32] (int32, row stride ldc) = A[32 rows, group] (int8) x the weights of two group chunks
+  // of the int8 layout (B0/B1: [group / 4][16][4] unsigned bytes), kstep k a step (begin_i8(kstep)
+  // first; A's tiles of the t-th step at A0 / A1 + t * astep, lda bytes between rows): tdpbsud,
+  // signed activations times unsigned weights, exact.
+  static void mma_i8_2x2(const int8_t* A0, const int8_t* A1, int64_t lda, int64_t astep, const uint8_t* B0,
+                         const uint8_t* B1, int64_t group, int kstep, int32_t* C, int64_t ldc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = 0; k < group; k += kstep) {
-      _tile_loadd(4, A + k, lda);
-      _tile_loadd(5, A + 16 * lda + k, lda);
+    for (int64_t k = 0, t = 0; k < group; k += kstep, t += astep) {
+      _tile_loadd(4, A0 + t, lda);
+      _tile_loadd(5, A1 + t, lda);
       _tile_loadd(6, B0 + k * 16, 64);
       _tile_loadd(7, B1 + k * 16, 64);
       _tile_dpbsud(0, 4, 6);

@@ -23,7 +23,8 @@
 //                 around a thread's bf16 tile work, begin_i8(kstep) around its int8 tile work,
 //                 ensure_permission() ("" once usable, else why not), mma_2x2 (C[32][32] =
 //                 A[32, kpad] x two bf16 blocks, fp32, optionally added to C) and mma_i8_2x2 (C[32][32] int32 =
-//                 A[32, group] int8 x two int8 group chunks of unsigned bytes, kstep k a step)
+//                 A[32, group] int8 x two int8 group chunks of unsigned bytes, kstep k a step); A comes
+//                 as two 16-row tiles per k step, astep apart (panel.h's tile order)
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -61,14 +62,14 @@ constexpr bool TilesContract() {
     static_assert(std::is_same_v<decltype(T::ensure_permission()), const char*>, "Tiles::ensure_permission");
     static_assert(std::is_void_v<decltype(T::begin())> && std::is_void_v<decltype(T::end())>, "Tiles::begin/end");
     static_assert(std::is_void_v<decltype(T::begin_i8(any<int>()))>, "Tiles::begin_i8(kstep)");
-    static_assert(std::is_void_v<decltype(T::mma_2x2(any<const uint16_t*>(), any<int64_t>(), any<const uint16_t*>(),
-                                                     any<const uint16_t*>(), any<int64_t>(), any<bool>(), any<float*>(),
-                                                     any<int64_t>()))>,
-                  "Tiles::mma_2x2(A, lda, B0, B1, kpad, accumulate, C, ldc)");
-    static_assert(std::is_void_v<decltype(T::mma_i8_2x2(any<const int8_t*>(), any<int64_t>(), any<const uint8_t*>(),
-                                                        any<const uint8_t*>(), any<int64_t>(), any<int>(),
-                                                        any<int32_t*>(), any<int64_t>()))>,
-                  "Tiles::mma_i8_2x2(A, lda, B0, B1, group, kstep, C, ldc)");
+    static_assert(std::is_void_v<decltype(T::mma_2x2(any<const uint16_t*>(), any<const uint16_t*>(), any<int64_t>(),
+                                                     any<int64_t>(), any<const uint16_t*>(), any<const uint16_t*>(),
+                                                     any<int64_t>(), any<bool>(), any<float*>(), any<int64_t>()))>,
+                  "Tiles::mma_2x2(A0, A1, lda, astep, B0, B1, kpad, accumulate, C, ldc)");
+    static_assert(std::is_void_v<decltype(T::mma_i8_2x2(any<const int8_t*>(), any<const int8_t*>(), any<int64_t>(),
+                                                        any<int64_t>(), any<const uint8_t*>(), any<const uint8_t*>(),
+                                                        any<int64_t>(), any<int>(), any<int32_t*>(), any<int64_t>()))>,
+                  "Tiles::mma_i8_2x2(A0, A1, lda, astep, B0, B1, group, kstep, C, ldc)");
   } else {
     static_assert(std::is_same_v<T, NoTiles>, "an ISA without a matrix unit uses NoTiles");
   }

@@ -6,12 +6,12 @@ these places, hmoe._reference.moe_experts):
   * With bf16 weights, the activations entering each matmul (x, and h = silu(gate) * up) are
     rounded to bf16 (nearest even); with fp16/fp32 weights they stay fp32.
   * Quantised weights (hmoe.quant.QuantizedWeights, through hmoe.CPUExperts), in k groups of the
-    weights' kernel_group (their group size; 128 for int8 per row; fp8's block columns):
+    weights' kernel_group (their group size; for int8 per row the whole row; fp8's block columns):
       - int8 and int4 (w = q * s_w): the activations entering each matmul are quantised to int8 per
         (row, group): s_a = max|a| / 127 in fp32, q_a = round-half-even(a / s_a) (fp32 division),
         a group of zeros giving 0. Each group's dot product of q_a and q is exact (int32), then
-        contributes float(dot) * (s_a * s_w) (that product in fp32) to an fp32 sum over groups in
-        group order.
+        contributes float(dot) * (s_a * s_w) (that product in fp32; float(dot) exact for groups
+        of up to 1024, rounded to fp32 beyond) to an fp32 sum over groups in group order.
       - fp8 (float8_e4m3fn, w = q * s_block): the activations are rounded to bf16 as for bf16
         weights; products are exact, each group's fp32 sum is multiplied by its scale and added to an
         fp32 sum over groups in group order.
