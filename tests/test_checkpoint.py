@@ -38,6 +38,23 @@ def test_quantised_on_the_fly(saved):
     assert torch.equal(w13.data, want.data) and torch.equal(w13.scales, want.scales)
     assert torch.equal(quant.dequantize(w2), quant.dequantize(quant.quantize(ref.down_proj.detach(), "int4",
                                                                               group_size=32)))
+    _run_quantised(w13, w2)
+
+
+def _run_quantised(w13, w2):
+    """Loaded QuantizedWeights run as they are by CPUExperts, within the format's contract tolerance."""
+    from hmoe import _reference
+
+    g = torch.Generator().manual_seed(3)
+    E, H = w13.shape[0], w13.shape[2]
+    x = torch.randn(6, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)]).int()
+    w = torch.rand(6, 2, generator=g)
+    experts = hmoe.CPUExperts(w13, w2)
+    y, ref = experts(x, ids, w), _reference.moe_experts(x, ids, w, w13, w2)
+    assert experts.format == w13.format and y.dtype == torch.bfloat16
+    assert ((y.double() - ref).norm() / ref.norm()).item() < _reference.tolerance("moe_experts", x.dtype,
+                                                                                  w_dtype=w13.format)
 
 
 def test_fused_layout_and_a_single_file(tmp_path):
@@ -78,9 +95,10 @@ def test_fp8_checkpoint(tmp_path):
     assert torch.equal(w13, want13) and torch.equal(w2, want2)
     b13, _ = hmoe.load_experts(str(tmp_path), 5, progress=False)
     assert b13.dtype == torch.bfloat16 and torch.equal(b13, want13.bfloat16())
-    k13, _ = hmoe.load_experts(str(tmp_path), 5, quant="fp8", progress=False)
+    k13, k2 = hmoe.load_experts(str(tmp_path), 5, quant="fp8", progress=False)
     # With I a multiple of 128 (DeepSeek-V3: 2048) w13's blocks are the checkpoint's: re-blocking is exact
     assert torch.equal(quant.dequantize(k13), want13)
+    _run_quantised(k13, k2)  # H = 160: a partial block of columns
     experts = hmoe.CPUExperts(w13, w2)
     x = torch.randn(2, 160)
     y = experts(x, torch.tensor([[0, 2], [1, 0]], dtype=torch.int32), torch.ones(2, 2))

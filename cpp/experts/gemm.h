@@ -21,8 +21,12 @@ template <int MR, int NR>
 constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
 
 // Distance of the software prefetch on each weight stream, in bytes. Blocks are 64 KB-ish
-// streams that cross a page every 4 KB, where hardware prefetchers restart.
-constexpr int64_t kPrefetchBytes = 1024;
+// streams that cross a page every 4 KB, where hardware prefetchers restart. (HMOE_TUNE_* macros:
+// set by tools/experts_tune only.)
+#ifndef HMOE_TUNE_PREFETCH_BYTES
+#define HMOE_TUNE_PREFETCH_BYTES 1024
+#endif
+constexpr int64_t kPrefetchBytes = HMOE_TUNE_PREFETCH_BYTES;
 
 inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes); }
 

@@ -5,6 +5,7 @@
 #include "experts/moe_experts.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -20,7 +21,29 @@
 
 namespace hmoe {
 namespace HMOE_ISA {
+
+#ifdef HMOE_PHASE_TIMING
+// tools/experts_tune builds with this: the wall time of each phase of the last call, in ms
+// (0: route, buffers and gather; 1: GEMM1; 2: h quantised; 3: GEMM2; 4: combine).
+double g_phase_ms[5];
+#endif
+
 namespace {
+
+#ifdef HMOE_PHASE_TIMING
+struct PhaseClock {
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void mark(int i) {
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_ms[i] = std::chrono::duration<double, std::milli>(now - t).count();
+    t = now;
+  }
+};
+#else
+struct PhaseClock {
+  void mark(int) {}
+};
+#endif
 
 // With unpacked weights, experts that see at most this many rows use the row-dot kernel,
 // which streams each weight row once; more rows and blocks are packed on the fly per task.
@@ -81,9 +104,12 @@ struct Task {
 constexpr int64_t kBytesPerThread = 256 << 10;
 int threads_for(int64_t bytes, int threads) { return int(std::clamp<int64_t>(bytes / kBytesPerThread, 1, threads)); }
 
+#ifndef HMOE_TUNE_TASK_UNITS
+#define HMOE_TUNE_TASK_UNITS 16
+#endif
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
-  int64_t chunk = std::clamp<int64_t>(total / (8 * int64_t(threads)), 1, 16);
+  int64_t chunk = std::clamp<int64_t>(total / (8 * int64_t(threads)), 1, HMOE_TUNE_TASK_UNITS);
   chunk = std::max<int64_t>(unit, chunk / unit * unit);
   std::vector<Task> tasks;
   for (size_t a = 0; a < r.active.size(); ++a)
@@ -146,6 +172,7 @@ void alloc_rows(ActRows<Fmt::kAct>& a, int64_t rows, int64_t ld, int64_t group) 
 // Packed weights (prepacked, or packed on the fly per task): the path of every format.
 template <class Fmt>
 void run_packed(const MoeParams& p, const Routing& r, int threads) {
+  PhaseClock clock;
   ThreadPool& pool = ThreadPool::instance();
   const int64_t S = p.T * p.K;
   const PackedK k13{p.H, p.group13, Fmt::groups(p.H, p.group13)}, k2{p.I, p.group2, Fmt::groups(p.I, p.group2)};
@@ -187,9 +214,9 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   };
   // Runs blocks [b0, b1) of expert e's matrix: prepacked, or packed kMaxNR at a time into scratch.
   auto run_blocks = [&](int worker, const char* we, int64_t b0, int64_t b1, int64_t block, auto pack, auto&& gemm) {
-    const void* B[64];
-    for (int64_t c0 = b0; c0 < b1; c0 += p.packed ? 64 : kMaxNR) {
-      const int64_t c1 = std::min(b1, c0 + (p.packed ? 64 : kMaxNR));
+    const void* B[128];
+    for (int64_t c0 = b0; c0 < b1; c0 += p.packed ? 128 : kMaxNR) {
+      const int64_t c1 = std::min(b1, c0 + (p.packed ? 128 : kMaxNR));
       const char* blocks = we + c0 * block;
       if (!p.packed) {
         char* s = scratch_for(worker);
@@ -201,6 +228,7 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
     }
   };
 
+  clock.mark(0);
   // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
   auto tasks1 = make_tasks(r, n_pairs, isa::kNR / 2, threads);
   pool.parallel_for(int64_t(tasks1.size()), threads1, [&](int64_t ti, int w) {
@@ -228,8 +256,10 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
                      });
     });
   });
+  clock.mark(1);
   if constexpr (kQuantAct)
     for_rows(S, S * p.I * 4, threads, [&](int64_t s) { Hact.store(s, Hf.buf.get() + s * Hf.ld, p.I); });
+  clock.mark(2);
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
   auto tasks2 = make_tasks(r, n_out, isa::kNR, threads);
@@ -250,7 +280,9 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
                      });
     });
   });
+  clock.mark(3);
   combine(p, r, Y.get(), ldy, threads);
+  clock.mark(4);
 }
 
 // Row-major float weights and at most kRowsMaxM rows per expert (decode): the row-dot kernels read

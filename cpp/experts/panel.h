@@ -33,8 +33,14 @@ bool use_tiles(int64_t rows) {
 // passes over it once, so A is read from memory once per task and each weight block once; C
 // (rows x the task's columns, fp32) lives in a per-thread buffer meanwhile. Rows go in runs of at
 // most kTileRows (32-row tiles) to bound those buffers.
-constexpr int64_t kTileRows = 256;
-constexpr int64_t kTileChunkBytes = 64 << 10;  // bytes of one A row slice per chunk: 32 rows x 2 KB
+#ifndef HMOE_TUNE_TILE_ROWS
+#define HMOE_TUNE_TILE_ROWS 256
+#endif
+#ifndef HMOE_TUNE_TILE_CHUNK_BYTES
+#define HMOE_TUNE_TILE_CHUNK_BYTES (64 << 10)
+#endif
+constexpr int64_t kTileRows = HMOE_TUNE_TILE_ROWS;
+constexpr int64_t kTileChunkBytes = HMOE_TUNE_TILE_CHUNK_BYTES;  // one A row slice a chunk: 32 rows x 2 KB
 
 // Rows of A in tile order: [rows / 16][kbytes / kw][16][kw] bytes.
 struct TileA {

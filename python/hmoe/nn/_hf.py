@@ -106,6 +106,7 @@ class BlockReport:
     dtype: torch.dtype
     moved_from: str
     packed_bytes: int
+    format: str = ""  # the CPU experts' weight format (CPUExperts.format)
 
 
 @dataclasses.dataclass
@@ -128,7 +129,8 @@ class PatchReport:
         packed = sum(b.packed_bytes for b in self.blocks)
         n_gpu = sum(len(b.gpu_experts) for b in self.blocks)
         n_all = sum(b.experts for b in self.blocks)
-        dtypes = sorted({str(b.dtype).replace("torch.", "") for b in self.blocks})
+        dtypes = sorted({str(b.dtype).replace("torch.", "") + (f" as {b.format}" if b.format in ("int8", "int4", "fp8")
+                                                               else "") for b in self.blocks})
         lines = [f"hmoe.nn.patch_model: swapped {self.swapped} MoE blocks for HybridMoE"
                  + (f" ({self.already_patched} were already)" if self.already_patched else ""),
                  f"  router, shared experts: stay on {self.device}",
@@ -188,15 +190,16 @@ def _progress(iterable, total: int, enabled: bool):
     return tqdm(iterable, total=total, desc="hmoe: packing MoE blocks", unit="block", file=sys.stderr)
 
 
-def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = None,
-                progress: bool = True) -> PatchReport:
+def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = None, quant: str | None = None,
+                group_size: int | None = None, progress: bool = True) -> PatchReport:
     """Swaps every DeepSeek-V2/V3 MoE block of `model` for a HybridMoE in place (router and shared
     experts stay where they are; routed expert weights go to host memory, packed for this CPU, and
     their copies on the model's device are freed). Returns a PatchReport (print it).
 
     gpu_experts: per block, expert ids to keep on the device, or a count chosen from routing
     statistics: the busiest experts of one forward of the original model on `calibration` (input
-    ids, or a dict of model inputs). isa forces a CPU ISA level (see hmoe.compat).
+    ids, or a dict of model inputs). isa forces a CPU ISA level (see hmoe.compat). quant ("int8",
+    "int4", "fp8"; group_size) quantises the CPU experts' weights as they are packed (HybridMoE).
     A model without MoE blocks is a ValueError; a model patched before gives a report saying so.
     """
     from .hybrid import HybridMoE
@@ -222,12 +225,14 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     for name, block in _progress(blocks, len(blocks), progress):
         w13, w2 = expert_weights(block.experts)
         moved_from, dtype, E = str(w13.device), w13.dtype, w13.shape[0]
-        hybrid = HybridMoE.from_hf(block, gpu_experts=gpu_experts, routing_counts=counts.get(name), isa=isa)
+        hybrid = HybridMoE.from_hf(block, gpu_experts=gpu_experts, routing_counts=counts.get(name), isa=isa,
+                                   quant=quant, group_size=group_size)
         device, isa_name = str(hybrid.gate_weight.device), hybrid.experts.isa
         _set_submodule(model, name, hybrid)
         freed += _free_routed(block.experts)
         del w13, w2
-        reports.append(BlockReport(name, E, hybrid.gpu_ids.tolist(), dtype, moved_from, hybrid.experts.packed_bytes))
+        reports.append(BlockReport(name, E, hybrid.gpu_ids.tolist(), dtype, moved_from, hybrid.experts.packed_bytes,
+                                   hybrid.experts.format))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return PatchReport(reports, done, isa_name, device, freed)

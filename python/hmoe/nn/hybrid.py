@@ -6,7 +6,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import ops, quant as hquant
 from ..ops import library
 from .experts import CPUExperts
 
@@ -39,12 +39,18 @@ class HybridMoE(torch.nn.Module):
     the input's dtype), or a count n: the n experts most often routed to according to
     routing_counts ([E], e.g. from a calibration run; see hmoe.nn.patch_model). The CPU computes
     only the others. Each call adds its routing to the buffer `routing_counts`.
+
+    quant: None (the CPU experts keep the weights' dtype), or "int8", "int4", "fp8": the CPU experts'
+    weights are quantised with hmoe.quant.quantize (group_size as there; fp8 in (128, 128) blocks)
+    and run by the quantised kernels (their precision contract: hmoe.ops.experts); GPU-resident
+    experts keep the original weights.
     """
 
     def __init__(self, gate_weight, w13, w2, *, top_k: int, n_group: int = 1, topk_group: int = 1,
                  scoring: str = "softmax", e_score_correction_bias=None, renormalize: bool = False,
                  routed_scaling_factor: float = 1.0, shared_experts: torch.nn.Module | None = None,
-                 gpu_experts=None, routing_counts=None, isa: str | None = None):
+                 gpu_experts=None, routing_counts=None, isa: str | None = None, quant: str | None = None,
+                 group_size: int | None = None):
         super().__init__()
         for name, t, ndim in (("gate_weight", gate_weight, 2), ("w13", w13, 3), ("w2", w2, 3)):
             if not isinstance(t, torch.Tensor) or t.dim() != ndim:
@@ -85,7 +91,11 @@ class HybridMoE(torch.nn.Module):
             c13, c2 = w13.detach().to("cpu"), w2.detach().to("cpu")
             if gpu:
                 c13, c2 = c13[cpu], c2[cpu]
-            self.experts = CPUExperts(c13.contiguous(), c2.contiguous(), isa=isa)
+            c13, c2 = c13.contiguous(), c2.contiguous()
+            if quant is not None:
+                kw = {} if quant == "fp8" else {"group_size": group_size}
+                c13, c2 = hquant.quantize(c13, quant, **kw), hquant.quantize(c2, quant, **kw)
+            self.experts = CPUExperts(c13, c2, isa=isa)
         self._jobs: dict = {}
         self._side: dict = {}
         self._warned_grad = False
@@ -99,7 +109,7 @@ class HybridMoE(torch.nn.Module):
         [E, H, I]) or the remote-code DeepseekMoE (experts as a list of MLPs with nn.Linear
         gate_proj / up_proj / down_proj). The router weight and shared experts are taken over (same
         objects, same device); the routed weights are copied to host memory and packed. `options`:
-        gpu_experts, routing_counts, isa (see the class)."""
+        gpu_experts, routing_counts, isa, quant, group_size (see the class)."""
         from . import _hf
 
         return cls(**_hf.block_arguments(module), **options)

@@ -1,0 +1,107 @@
+// Tuning harness for the CPU experts op: run_moe of one ISA level on synthetic packed weights
+// (random quantised values with valid scales, or random bf16), timing each phase of the op
+// (moe_experts.cpp built with HMOE_PHASE_TIMING). See build.sh beside this file.
+//   experts_tune FORMAT(bf16|int8|int4) H I E K T [repeats]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/dtype.h"
+#include "experts/format.h"
+#include "experts/moe_experts.h"
+#include "experts/pack.h"
+
+namespace hmoe::HMOE_ISA {
+extern double g_phase_ms[5];
+}
+
+using namespace hmoe;
+
+int main(int argc, char** argv) {
+  if (argc < 7) {
+    std::fprintf(stderr, "usage: %s bf16|int8|int4 H I E K T [repeats]\n", argv[0]);
+    return 2;
+  }
+  const std::string fmt_name = argv[1];
+  const int64_t H = std::atoll(argv[2]), I = std::atoll(argv[3]), E = std::atoll(argv[4]), K = std::atoll(argv[5]),
+                T = std::atoll(argv[6]);
+  const int repeats = argc > 7 ? std::atoi(argv[7]) : 5;
+  const int threads = int(std::thread::hardware_concurrency());
+  const int32_t fmt = fmt_name == "int8" ? kWInt8 : fmt_name == "int4" ? kWInt4 : kBF16;
+  const bool per_row = fmt == kWInt8;
+  const int64_t g13 = fmt == kBF16 ? 0 : per_row ? round_up(H, 128) : 128;
+  const int64_t g2 = fmt == kBF16 ? 0 : per_row ? round_up(I, 128) : 128;
+  const int64_t b13 = packed_w13_bytes(fmt, H, I, g13), b2 = packed_w2_bytes(fmt, H, I, g2);
+  std::vector<uint8_t> w13(size_t(E * b13)), w2(size_t(E * b2));
+  // Each expert packed by its own thread from random values.
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int64_t e = t; e < E; e += threads) {
+        for (int m = 0; m < 2; ++m) {
+          const int64_t N = m == 0 ? 2 * I : H, kd = m == 0 ? H : I;
+          uint8_t* dst = (m == 0 ? w13.data() + e * b13 : w2.data() + e * b2);
+          if (fmt == kBF16) {
+            std::vector<uint16_t> src(size_t(N * kd));
+            for (auto& v : src) v = f32_to_bf16(float(int(rng() % 200) - 100) * 1e-3f);
+            if (m == 0)
+              pack_w13_blocks(src.data(), fmt, H, I, 0, 2 * ceil_div(I, kBlockN), dst);
+            else
+              pack_w2_blocks(src.data(), fmt, H, I, 0, ceil_div(H, kBlockN), dst);
+          } else {
+            const int64_t g = m == 0 ? g13 : g2, bytes = fmt == kWInt4 ? kd / 2 : kd;
+            std::vector<uint8_t> data(size_t(N * bytes));
+            for (auto& v : data) v = fmt == kWInt4 ? uint8_t(rng() % 256 & 0x77) : uint8_t(int(rng() % 255) - 127);
+            const int64_t ncols = per_row ? 1 : kd / g;
+            std::vector<float> scales(size_t(N * ncols), 1e-3f);
+            const QuantMatrix qm{data.data(), kd, scales.data(), 1, per_row ? kd : g, ncols};
+            if (m == 0)
+              pack_quant_w13(fmt, qm, I, g, dst);
+            else
+              pack_quant_w2(fmt, qm, H, g, dst);
+          }
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+  std::mt19937 rng(1);
+  std::vector<uint16_t> x(size_t(T * H));
+  for (auto& v : x) v = f32_to_bf16(float(int(rng() % 200) - 100) * 1e-2f);
+  std::vector<int32_t> ids(size_t(T * K));
+  for (int64_t t = 0; t < T; ++t) {  // K distinct experts a token
+    std::vector<int32_t> perm(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) perm[size_t(e)] = int32_t(e);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t k = 0; k < K; ++k) ids[size_t(t * K + k)] = perm[size_t(k)];
+  }
+  std::vector<float> tw(size_t(T * K), 1.f / float(K));
+  std::vector<uint16_t> out(size_t(T * H));
+  MoeParams p{};
+  p.x = x.data(), p.x_dtype = kBF16, p.topk_ids = ids.data(), p.ids_dtype = kI32, p.topk_weights = tw.data();
+  p.w13 = w13.data(), p.w2 = w2.data(), p.w_format = fmt, p.packed = 1, p.group13 = g13, p.group2 = g2;
+  p.out = out.data(), p.T = T, p.K = K, p.E = E, p.H = H, p.I = I, p.num_threads = threads;
+  const double flop = 6.0 * double(H) * double(I) * double(T * K);
+  double best = 1e30, phases[5] = {};
+  for (int r = 0; r < repeats + 1; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    HMOE_ISA::run_moe(p);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0 && ms < best) {
+      best = ms;
+      std::memcpy(phases, HMOE_ISA::g_phase_ms, sizeof(phases));
+    }
+  }
+  std::printf(
+      "%s H=%lld I=%lld E=%lld K=%lld T=%lld threads %d: %.3f ms  %.0f GFLOP/s  "
+      "(gather %.2f, gemm1 %.2f, quantise h %.2f, gemm2 %.2f, combine %.2f)\n",
+      fmt_name.c_str(), (long long)H, (long long)I, (long long)E, (long long)K, (long long)T, threads, best,
+      flop / best / 1e6, phases[0], phases[1], phases[2], phases[3], phases[4]);
+  return 0;
+}
