@@ -50,10 +50,18 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
 
+// One conversion instruction for the pair (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32).
 template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  T lo = from_float<T>(a), hi = from_float<T>(b);
-  return uint32_t(*reinterpret_cast<uint16_t*>(&lo)) | (uint32_t(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x (a) in the low half
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // Butterfly reductions over the lanes `width` apart at most (width a power of two <= 32): every

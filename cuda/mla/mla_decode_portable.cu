@@ -21,6 +21,7 @@
 #include <string>
 #include <type_traits>
 
+#include "attention/mma.cuh"
 #include "attention/softmax.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.h"
@@ -32,6 +33,10 @@ namespace hmoe {
 namespace {
 
 using namespace mla;
+using attn::ldmatrix_x4;
+using attn::ldmatrix_x4_trans;
+using attn::mma16816;
+using attn::smem_addr;
 
 constexpr int kDim = kMlaDimCkv + kMlaDimPe;  // 576
 using attn::exp2_ftz;
@@ -60,10 +65,6 @@ struct Smem {
   static_assert(kTileBytes == kTile * kDim * 2, "a ring buffer holds kDim columns of kTile rows");
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Float offset of 4-float chunk `chunk` (0..7) of partial-score row `row` (32 floats, unpadded).
 // The swizzle keeps both accesses at their ideal wavefront count: the mma layout's float2 stores
 // (8 rows x one pair of chunks) and the softmax's float4 loads (2 adjacent rows x 4 chunks).
@@ -71,32 +72,6 @@ __device__ __forceinline__ int s_off(int row, int chunk) {
   const int x = ((row & 1) << 2) ^ (((row >> 1) & 3) << 1);
   return row * kTile + ((chunk ^ x) << 2);
 }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c += a b on the tensor cores, m16n8k16, fp32 accumulators; T (bf16 or fp16) names the inputs.
-template <typename T>
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b);
-#define HMOE_MMA16816(T, PTX_TYPE)                                                              \
-  template <>                                                                                   \
-  __device__ __forceinline__ void mma16816<T>(float* c, const uint32_t* a, const uint32_t* b) { \
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                 \
-                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                               \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));           \
-  }
-HMOE_MMA16816(__nv_bfloat16, "bf16")
-HMOE_MMA16816(__half, "f16")
-#undef HMOE_MMA16816
 
 // Programmatic dependent launch (sm_90+; a no-op before): the decode kernel lets the combine
 // kernel (mla_combine.cu) launch while its CTAs finish.

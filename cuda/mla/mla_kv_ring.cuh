@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "attention/mma.cuh"
 #include "attention/page_walk.cuh"
 #include "hmoe/mla_decode.h"
 
@@ -52,17 +53,9 @@ __device__ __forceinline__ uint32_t rope_off(int warp, int row, int chunk) {
   return kLatentBytes + warp * kRopeWarpBytes + row * 32 + ((chunk ^ (row >> 2)) & 1) * 16;
 }
 
-// 16-byte async copy; zero = true fills the destination with zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool zero) {
-  asm volatile(
-      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
-      "l"(src), "r"(int(zero)));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using attn::cp_async16;
+using attn::cp_async_commit;
+using attn::cp_async_wait;
 
 // The page walk of every attention kernel (attention/page_walk.cuh) over tiles of kTile tokens.
 using TokenWalk = attn::PageWalk<kTile>;
