@@ -14,12 +14,21 @@
 #ifndef HMOE_HAS_mla_decode
 #define HMOE_HAS_mla_decode 0
 #endif
+#ifndef HMOE_HAS_ragged_prefill
+#define HMOE_HAS_ragged_prefill 0
+#endif
+#ifndef HMOE_HAS_paged_prefill
+#define HMOE_HAS_paged_prefill 0
+#endif
 
 #if HMOE_HAS_grouped_topk
 #include "topk/grouped_topk_entry.h"
 #endif
 #if HMOE_HAS_mla_decode
 #include "mla/mla_decode_entry.h"
+#endif
+#if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
+#include "prefill/prefill_entry.h"
 #endif
 
 namespace py = pybind11;
@@ -29,7 +38,9 @@ namespace {
 
 bool has_op(const char* op) {
   return std::strcmp(op, "cuda") == 0 || (HMOE_HAS_grouped_topk && std::strcmp(op, "grouped_topk") == 0) ||
-         (HMOE_HAS_mla_decode && std::strcmp(op, "mla_decode") == 0);
+         (HMOE_HAS_mla_decode && std::strcmp(op, "mla_decode") == 0) ||
+         (HMOE_HAS_ragged_prefill && std::strcmp(op, "ragged_prefill") == 0) ||
+         (HMOE_HAS_paged_prefill && std::strcmp(op, "paged_prefill") == 0);
 }
 
 }  // namespace
@@ -46,6 +57,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 #endif
 #if HMOE_HAS_mla_decode
     hmoe::mla_decode_prewarm(device);
+#endif
+#if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
+    hmoe::prefill_prewarm(device);
 #endif
   });
 #if HMOE_HAS_grouped_topk
@@ -71,6 +85,30 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     const hmoe::MlaDecodePlan p = hb::mla_decode_cached_plan(device, batch, heads, max_pages, page_size, config,
                                                              hb::bool_arg(allow_tma, "allow_tma"));
     return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes);
+  });
+#endif
+#if HMOE_HAS_ragged_prefill
+  HMOE_DEF(m, ragged_prefill_check, { hb::ragged_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, out); });
+  HMOE_DEF(m, ragged_prefill, {
+    hb::PrefillCall c = hb::ragged_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, out);
+    return hb::prefill_run(c, out, return_lse, config);
+  });
+  HMOE_DEF(m, ragged_prefill_plan, {
+    return hb::prefill_plan_tuple(
+        hb::prefill_cached_plan(device, total_q, batch, heads, kv_heads, head_dim_qk, head_dim_v, config));
+  });
+#endif
+#if HMOE_HAS_paged_prefill
+  HMOE_DEF(m, paged_prefill_check,
+           { hb::paged_prefill_args(q, k_cache, v_cache, page_table, kv_lens, qo_indptr, sm_scale, causal, out); });
+  HMOE_DEF(m, paged_prefill, {
+    hb::PrefillCall c =
+        hb::paged_prefill_args(q, k_cache, v_cache, page_table, kv_lens, qo_indptr, sm_scale, causal, out);
+    return hb::prefill_run(c, out, return_lse, config);
+  });
+  HMOE_DEF(m, paged_prefill_plan, {
+    return hb::prefill_plan_tuple(
+        hb::prefill_cached_plan(device, total_q, batch, heads, kv_heads, head_dim_qk, head_dim_v, config));
   });
 #endif
 }

@@ -6,7 +6,7 @@
 
 #define HMOE_CONSTANTS(X)                                                                        \
   /* the version of the entry points, params structs and codes below: bump on any change */      \
-  X(abi_version, 3)                                                                              \
+  X(abi_version, 4)                                                                              \
   /* dtype codes: what every native entry point calls a tensor's element type */                 \
   X(dtype_float32, 0)                                                                            \
   X(dtype_float16, 1)                                                                            \
@@ -32,7 +32,14 @@
   X(mla_max_splits, 64)                                                                          \
   X(mla_loader_rows, 0)                                                                          \
   X(mla_loader_contig, 1)                                                                        \
-  X(mla_loader_tma, 2)
+  X(mla_loader_tma, 2)                                                                           \
+  /* ragged_prefill, paged_prefill: the (q/k, v) head dimensions built, pair i */                \
+  X(prefill_dim_qk_0, 192)                                                                       \
+  X(prefill_dim_v_0, 128)                                                                        \
+  X(prefill_dim_qk_1, 128)                                                                       \
+  X(prefill_dim_v_1, 128)                                                                        \
+  X(prefill_dim_qk_2, 64)                                                                        \
+  X(prefill_dim_v_2, 64)
 
 namespace hmoe {
 namespace k {

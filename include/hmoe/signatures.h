@@ -43,6 +43,19 @@
 #define HMOE_ARGS_mla_decode HMOE_ARGS_mla_decode_check, (bool, return_lse), (i32, config), (bool, allow_tma)
 #define HMOE_ARGS_mla_decode_plan \
   (i32, device), (i32, batch), (i32, heads), (i32, max_pages), (i32, page_size), (i32, config), (bool, allow_tma)
+#define HMOE_ARGS_ragged_prefill_check                                                                                \
+  (tensor, q), (tensor, k), (tensor, v), (tensor, qo_indptr), (tensor, kv_indptr), (float, sm_scale), (bool, causal), \
+      (tensor_or_none, out)
+#define HMOE_ARGS_ragged_prefill HMOE_ARGS_ragged_prefill_check, (bool, return_lse), (i32, config)
+#define HMOE_ARGS_paged_prefill_check                                                                              \
+  (tensor, q), (tensor, k_cache), (tensor, v_cache), (tensor, page_table), (tensor, kv_lens), (tensor, qo_indptr), \
+      (float, sm_scale), (bool, causal), (tensor_or_none, out)
+#define HMOE_ARGS_paged_prefill HMOE_ARGS_paged_prefill_check, (bool, return_lse), (i32, config)
+#define HMOE_ARGS_prefill_plan                                                                                       \
+  (i32, device), (i64, total_q), (i32, batch), (i32, heads), (i32, kv_heads), (i32, head_dim_qk), (i32, head_dim_v), \
+      (i32, config)
+#define HMOE_ARGS_ragged_prefill_plan HMOE_ARGS_prefill_plan
+#define HMOE_ARGS_paged_prefill_plan HMOE_ARGS_prefill_plan
 
 #define HMOE_ENTRY_POINTS(X)                                                                                   \
   X(cpu_core, cpu_features, cpuid, "(eax, ebx, ecx, edx)", HMOE_ARGS_cpuid)                                    \
@@ -65,4 +78,14 @@
   X(cuda, mla_decode, mla_decode_check, "None", HMOE_ARGS_mla_decode_check)                                    \
   X(cuda, mla_decode, mla_decode, "out | (out, lse)", HMOE_ARGS_mla_decode)                                    \
   X(cuda, mla_decode, mla_decode_plan, "(num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes)", \
-    HMOE_ARGS_mla_decode_plan)
+    HMOE_ARGS_mla_decode_plan)                                                                                 \
+  X(cuda, ragged_prefill, ragged_prefill_check, "None", HMOE_ARGS_ragged_prefill_check)                        \
+  X(cuda, ragged_prefill, ragged_prefill, "out | (out, lse)", HMOE_ARGS_ragged_prefill)                        \
+  X(cuda, ragged_prefill, ragged_prefill_plan,                                                                 \
+    "(config, tile_q, tile_kv, kv_stages, max_items, smem_bytes, ctas_per_sm, workspace)",                     \
+    HMOE_ARGS_ragged_prefill_plan)                                                                             \
+  X(cuda, paged_prefill, paged_prefill_check, "None", HMOE_ARGS_paged_prefill_check)                           \
+  X(cuda, paged_prefill, paged_prefill, "out | (out, lse)", HMOE_ARGS_paged_prefill)                           \
+  X(cuda, paged_prefill, paged_prefill_plan,                                                                   \
+    "(config, tile_q, tile_kv, kv_stages, max_items, smem_bytes, ctas_per_sm, workspace)",                     \
+    HMOE_ARGS_paged_prefill_plan)

@@ -32,7 +32,7 @@ def prewarm(device=None) -> None:
     from .ops import _cuda
 
     index = _cuda.device_index(torch, device)
-    for op in ("grouped_topk", "mla_decode"):
+    for op in ("grouped_topk", "mla_decode", "ragged_prefill", "paged_prefill"):
         _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
     sel = _cuda.select("mla_decode", index)
     if sel.backend:  # e.g. flashinfer: its JIT build and self-check, outside any graph capture

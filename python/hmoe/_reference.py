@@ -26,10 +26,19 @@ def unit_roundoff(dtype) -> float:
 #   model in the same dtype: transformers rounds every expert's intermediate to the dtype, hmoe its
 #   routed sum only; the differences pass through attention and the head (measured about 2 u on
 #   DeepSeek-V2/V3 configurations with 2 MoE layers): 8 u.
-_ROUNDINGS = {"mla_decode": 3, "grouped_topk": 16, "hybrid_model_logits": 8}
+#   prefill (ragged_prefill, paged_prefill): the same rounding points as mla_decode against the fp64
+#   reference: 3 u. prefill_same_rounding: against prefill_rounded_p, which rounds P where the kernel
+#   does (its tiles, its lazy running max): the output's rounding (1) and 1 for the P values that
+#   land on the other side of a rounding boundary because the kernel's fp32 scores and exponentials
+#   (another summation order, ex2.approx) differ from the reference's in their last bits.
+_ROUNDINGS = {"mla_decode": 3, "grouped_topk": 16, "hybrid_model_logits": 8, "prefill": 3,
+              "prefill_same_rounding": 2}
 # lse is computed in fp32 from exact products: an absolute bound (a base-2 lse read as natural is
 # off by 30%, and lse here is 3 or more).
 MLA_LSE_ATOL = 1e-2
+# prefill's lse: fp32 scores of up to 192 exact products and an fp32 sum of up to ~10^5 terms
+# (about 1e-5 here); a base-2 lse read as natural, or one of the wrong rows, is off by far more.
+PREFILL_LSE_ATOL = 1e-3
 
 
 #   moe_experts: the output rounded once to x's dtype plus fp32 accumulation over H and I (fp32: 2e-5,
@@ -253,3 +262,106 @@ def grouped_topk(logits, top_k, *, n_group=1, topk_group=1, scoring="softmax", b
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * routed_scaling_factor
     return weights, ids, sel, margin
+
+
+# --- prefill (ragged_prefill, paged_prefill) -----------------------------------------------------
+def _visible(lq: int, lk: int, causal: bool, device):
+    """[lq, lk] bool: the keys each query sees (causal: j <= i + lk - lq, aligned to the end)."""
+    import torch
+
+    if not causal:
+        return torch.ones(lq, lk, dtype=torch.bool, device=device)
+    i = torch.arange(lq, device=device)[:, None]
+    return torch.arange(lk, device=device)[None, :] <= i + (lk - lq)
+
+
+def _requests(qo_indptr, kv_indptr):
+    """(b, q0, q1, k0, k1) of every request with queries and keys."""
+    qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
+    return [(b, qo[b], qo[b + 1], kv[b], kv[b + 1]) for b in range(len(qo) - 1)
+            if qo[b + 1] > qo[b] and kv[b + 1] > kv[b]]
+
+
+def prefill(q, k, v, qo_indptr, kv_indptr, sm_scale, causal=True, heads=None):
+    """(out fp64 [Tq, len(heads), Dv], lse fp64 [Tq, len(heads)], natural log): the math of
+    hmoe.ops.ragged_prefill's docstring in fp64, nothing rounded, request by request and head by head
+    on the tensors' device (a GPU computes it in fp64 too). `heads`: the query heads to compute
+    (default all). Rows that see no key: out 0, lse -inf."""
+    import torch
+
+    H, Hkv, Dv, dev = q.shape[1], k.shape[1], v.shape[2], q.device
+    heads = list(range(H)) if heads is None else list(heads)
+    out = torch.zeros(q.shape[0], len(heads), Dv, dtype=torch.float64, device=dev)
+    lse = torch.full((q.shape[0], len(heads)), -math.inf, dtype=torch.float64, device=dev)
+    for _, q0, q1, k0, k1 in _requests(qo_indptr, kv_indptr):
+        seen = _visible(q1 - q0, k1 - k0, causal, dev)
+        for i, h in enumerate(heads):
+            kvh = h // (H // Hkv)
+            s = (q[q0:q1, h].double() @ k[k0:k1, kvh].double().T) * sm_scale
+            s = s.masked_fill(~seen, -math.inf)
+            lse_h = torch.logsumexp(s, -1)
+            p = torch.exp(s - lse_h[:, None].clamp_min(-1e300)).nan_to_num(0.0)  # rows that see nothing: 0
+            out[q0:q1, i], lse[q0:q1, i] = p @ v[k0:k1, kvh].double(), lse_h
+    return out, lse
+
+
+def prefill_rounded_p(q, k, v, qo_indptr, kv_indptr, sm_scale, causal=True, *, tile_kv, heads=None):
+    """(out fp32 before its final rounding, lse fp32): hmoe's prefill kernels' arithmetic, rounding P
+    where they do (tile_kv: the plan's keys per step, hmoe.ops.prefill.plan). In fp32: the scores
+    q.k times c = sm_scale * log2(e); per tile of tile_kv keys (from each request's first key) the
+    running max m moves only when the tile's max exceeds it by more than 2^8 (0 while nothing was
+    seen), p = 2^(s - m) is summed unrounded into l and rounded to q's dtype for P V, O (fp32) is
+    rescaled by 2^(m_old - m_new) when m moves; out = O / l (0 where l = 0)."""
+    import torch
+
+    f32 = torch.float32
+    H, Hkv, Dv, dev = q.shape[1], k.shape[1], v.shape[2], q.device
+    heads = list(range(H)) if heads is None else list(heads)
+    c = (torch.tensor(sm_scale, dtype=f32) * torch.tensor(1.4426950408889634, dtype=f32)).to(dev)
+    out = torch.zeros(q.shape[0], len(heads), Dv, dtype=f32, device=dev)
+    lse = torch.full((q.shape[0], len(heads)), -math.inf, dtype=f32, device=dev)
+    for _, q0, q1, k0, k1 in _requests(qo_indptr, kv_indptr):
+        lq = q1 - q0
+        seen = _visible(lq, k1 - k0, causal, dev)
+        for i, h in enumerate(heads):
+            kvh = h // (H // Hkv)
+            s = q[q0:q1, h].to(f32) @ k[k0:k1, kvh].to(f32).T
+            m = torch.full((lq,), -math.inf, dtype=f32, device=dev)
+            l = torch.zeros(lq, dtype=f32, device=dev)
+            acc = torch.zeros(lq, Dv, dtype=f32, device=dev)
+            for t0 in range(0, k1 - k0, tile_kv):
+                x = torch.where(seen[:, t0:t0 + tile_kv], s[:, t0:t0 + tile_kv] * c, -math.inf)
+                mx = x.max(-1).values
+                m_new = torch.where(mx > m + 8, mx, torch.where(m == -math.inf, torch.zeros_like(m), m))
+                alpha = torch.where(m == m_new, torch.ones_like(m),
+                                    torch.where(m == -math.inf, torch.zeros_like(m), torch.exp2(m - m_new)))
+                p = torch.exp2(x - m_new[:, None])
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[:, None] + p.to(q.dtype).to(f32) @ v[k0 + t0:min(k1, k0 + t0 + tile_kv), kvh].to(f32)
+                m = m_new
+            has = l > 0
+            out[q0:q1, i] = torch.where(has[:, None], acc / l.clamp_min(1e-38)[:, None], torch.zeros_like(acc))
+            lse[q0:q1, i] = torch.where(has, (m + torch.log2(l.clamp_min(1e-38))) * math.log(2.0),
+                                        torch.full_like(m, -math.inf))
+    return out, lse
+
+
+def paged_as_ragged(k_cache, v_cache, page_table, kv_lens):
+    """(k, v, kv_indptr): a paged cache's requests gathered into ragged k/v the prefill references
+    take, under paged_prefill's rules: lengths clamped to [0, max_pages * page_size], page ids
+    outside [0, P) read as zeros."""
+    import torch
+
+    P, page = k_cache.shape[0], k_cache.shape[1]
+    lens = kv_lens.long().clamp(0, page_table.shape[1] * page).tolist()
+    ks, vs, indptr = [], [], [0]
+    for b, L in enumerate(lens):
+        j = torch.arange(L, device=k_cache.device)
+        ids = page_table[b].long()[j // page]
+        ok = (ids >= 0) & (ids < P)
+        rows = ids.clamp(0, P - 1) * page + j % page
+        for cache, dst in ((k_cache, ks), (v_cache, vs)):
+            flat = cache.reshape(P * page, *cache.shape[2:])[rows]
+            dst.append(torch.where(ok[:, None, None], flat, torch.zeros_like(flat)))
+        indptr.append(indptr[-1] + L)
+    return torch.cat(ks), torch.cat(vs), torch.tensor(indptr, dtype=torch.int32)

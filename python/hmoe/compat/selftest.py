@@ -84,9 +84,33 @@ def mla_decode_selftest(device: str):
     return ok, f"{sel.variant} {sel.target}: {detail}"
 
 
+def prefill_selftest(device: str):
+    """ragged_prefill (bf16, causal, MLA head dims 192/128, GQA 2, a request with more keys than
+    queries and an empty one) against the fp64 reference."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from .. import _reference
+    from ..ops import _cuda, ragged_prefill
+
+    g = torch.Generator().manual_seed(3)
+    qo, kv = torch.tensor([0, 37, 37, 50], dtype=torch.int32), torch.tensor([0, 37, 37, 150], dtype=torch.int32)
+    q = torch.randn(50, 4, 192, generator=g).to(torch.bfloat16)
+    k = torch.randn(150, 2, 192, generator=g).to(torch.bfloat16)
+    v = torch.randn(150, 2, 128, generator=g).to(torch.bfloat16)
+    got = ragged_prefill(q.to(device), k.to(device), v.to(device), qo.to(device), kv.to(device),
+                         sm_scale=192 ** -0.5).cpu()
+    want = _reference.prefill(q, k, v, qo, kv, 192 ** -0.5)[0]
+    ok, detail = _normwise(got, want, _reference.tolerance("prefill", torch.bfloat16))
+    sel = _cuda.select("ragged_prefill", _cuda.device_index(torch, torch.device(device)))
+    return ok, f"{sel.variant} {sel.target}: {detail}"
+
+
 SELFTESTS["experts"] = experts_selftest
 SELFTESTS["grouped_topk"] = grouped_topk_selftest
 SELFTESTS["mla_decode"] = mla_decode_selftest
+SELFTESTS["ragged_prefill"] = prefill_selftest
 
 
 def run(devices) -> list[dict]:

@@ -1,6 +1,7 @@
 """hmoe's ops on torch tensors: validated, then dispatched to the selected native variant."""
 from .experts import moe_experts_cpu
 from .mla import mla_decode
+from .prefill import paged_prefill, ragged_prefill
 from .topk import grouped_topk
 
-__all__ = ["grouped_topk", "mla_decode", "moe_experts_cpu"]
+__all__ = ["grouped_topk", "mla_decode", "moe_experts_cpu", "paged_prefill", "ragged_prefill"]

@@ -1,0 +1,343 @@
+// The portable prefill attention kernel (FlashAttention-2 style, mma.sync m16n8k16; sm_80 and
+// newer), one body for both KV sources: a loader policy (RaggedRows, PagedRows) says which row of k
+// and v holds a request's key j. Instantiated per head dims by prefill_portable_d<Dqk>.cu.
+//
+// One CTA = one q tile (32 rows a warp, 4 or 8 warps; one request, one head). Q stays in
+// shared memory (it is re-read for every key tile: registers hold O and S), keys and values come
+// in tiles of kBN rows through cp.async. Per tile:
+//   S = Q K^T    each warp its 32 rows x kBN keys, fp32 accumulators (K fragments feed 2 mma)
+//   softmax      online, log2 domain, attention/softmax.cuh's rules (lazy max, skipped rescale);
+//                the mask only on tiles that cross the causal diagonal or the sequence's end
+//   O += P V     P rounded to the input dtype in registers (the mma A layout), fp32 O
+// The output is rounded once, staged in the warp's own Q rows and written in 16-byte rows.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/mma.cuh"
+#include "attention/page_walk.cuh"
+#include "attention/softmax.cuh"
+#include "common/cuda_util.h"
+#include "hmoe/prefill.h"
+#include "prefill/prefill_schedule.cuh"
+
+namespace hmoe {
+namespace prefill {
+
+using attn::cp_async16;
+using attn::cp_async_commit;
+using attn::cp_async_wait;
+using attn::exp2_ftz;
+using attn::ldmatrix_x4;
+using attn::ldmatrix_x4_trans;
+using attn::mma16816;
+using attn::smem_addr;
+
+// A tile configuration: head dims, keys per step, K's shared-memory buffers (1: K(t+1) loads
+// while S(t) is consumed, two barriers a tile; 2: K and V of tile t+1 load during all of tile t,
+// one barrier a tile; V always has two) and warps (32 query rows each: 4 warps, two CTAs an SM; 8
+// warps, one CTA an SM sharing each K/V tile between twice the rows).
+template <int DQK, int DV, int BN, int KSTAGES, int WARPS>
+struct Config {
+  static constexpr int kDqk = DQK, kDv = DV, kBN = BN, kKStages = KSTAGES;
+  static constexpr int kWarps = WARPS, kThreads = 32 * kWarps, kBM = 32 * kWarps;
+  static constexpr int kMinBlocks = kWarps == 4 ? 2 : 1;   // CTAs an SM holds (registers <= 255 either way)
+  static constexpr int kQRow = 2 * kDqk, kVRow = 2 * kDv;  // bytes of a shared-memory row
+  static constexpr int q_s = 0;
+  static constexpr int k_s = q_s + kBM * kQRow;
+  static constexpr int v_s = k_s + kKStages * kBN * kQRow;
+  static constexpr int kSmem = v_s + 2 * kBN * kVRow;
+  static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDv <= kDqk, "rows of whole 128-byte lines; O fits in Q's rows");
+  static_assert(kBN % (kThreads / 8) == 0 && (KSTAGES == 1 || KSTAGES == 2) && (kWarps == 4 || kWarps == 8),
+                "tile shape: whole copy passes of kThreads / 8 rows");
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRowBytes-byte rows: chunks are
+// XOR-swizzled by the row's low 3 bits inside each 128-byte line, so the 8 rows of an ldmatrix hit
+// 8 distinct bank groups and 8 threads copying a line write it whole.
+template <int kRowBytes>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return row * kRowBytes + (((chunk & ~7) | ((chunk ^ row) & 7)) << 4);
+}
+
+// Key j of a ragged request: row kv0 + j of k and v.
+struct RaggedRows {
+  int kv0, lk;
+  __device__ __forceinline__ RaggedRows(const PrefillParams&, int, const Request& r) : kv0(r.kv0), lk(r.lk) {}
+  __device__ __forceinline__ int64_t row(int j) const { return j < lk ? int64_t(kv0) + j : -1; }
+};
+
+// Key j of a paged request: the cache row the page table names (attention/page_walk.cuh's rules).
+struct PagedRows {
+  attn::PageLookup pages;
+  __device__ __forceinline__ PagedRows(const PrefillParams& p, int b, const Request& r)
+      : pages{p.page_table + int64_t(b) * p.max_pages, r.lk, p.page_size, p.num_pages, attn::PageDivisor(p.page_size)} {
+  }
+  __device__ __forceinline__ int64_t row(int j) const { return pages.row(j); }
+};
+
+// Copies ROWS rows of D 16-bit elements into a swizzled tile at `dst`: row r of the tile from row
+// row_of(r) of the matrix at `base` (rows `stride` bytes apart), or zeros where row_of(r) < 0 (the
+// copy then names row 0 and reads nothing). 8 threads a row (each D / 64 chunks), NT / 8 rows a pass.
+template <int D, int ROWS, int NT, typename RowOf>
+__device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int64_t stride, RowOf row_of) {
+  constexpr int kRowsPerPass = NT / 8;
+  static_assert(ROWS % kRowsPerPass == 0, "whole passes");
+  const int c0 = threadIdx.x % 8, r0 = threadIdx.x / 8;
+#pragma unroll
+  for (int pass = 0; pass < ROWS / kRowsPerPass; ++pass) {
+    const int r = r0 + pass * kRowsPerPass;
+    const int64_t row = row_of(r);
+    const char* src = base + (row >= 0 ? row : 0) * stride + c0 * 16;
+    const uint32_t d = dst + swz<2 * D>(r, c0);
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) cp_async16(d + i * 128, src + i * 128, row < 0);  // chunk c0 + 8 i
+  }
+}
+
+// A 16-byte store (the compiler split uint4 stores through T* into four).
+__device__ __forceinline__ void st_global16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+template <typename T, typename C, typename Kv>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(const PrefillParams p) {
+  constexpr int BM = C::kBM, BN = C::kBN, DQK = C::kDqk, DV = C::kDv, NT = C::kThreads;
+  constexpr int kN8 = BN / 8;    // n8 tiles of S
+  constexpr int kO8 = DV / 8;    // n8 tiles of O
+  constexpr int kKs = DQK / 16;  // k16 steps of S
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int slot = blockIdx.x % p.max_items, h = blockIdx.x / p.max_items;
+  const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
+  if (item.x < 0) return;  // an unused slot of the work list
+  const int b = item.x, q_first = item.y * BM;
+  const Request r = request(p, b);
+  const int q_rows = min(BM, r.lq - q_first);
+  const int kvh = h / (p.heads / p.kv_heads);
+  const int n_keys = visible_keys(r, p.causal, q_first + q_rows - 1);  // what the last row sees
+  const int n_tiles = (n_keys + BN - 1) / BN;
+  const float c = p.sm_scale * attn::kLog2e;
+  // Tiles every row sees whole need no mask (the fast softmax also needs c > 0: see below).
+  const int n_full = c > 0.f ? visible_keys(r, p.causal, q_first) / BN : 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int64_t q_stride = int64_t(p.heads) * DQK;
+  T* out = static_cast<T*>(p.out) + (int64_t(r.q0 + q_first) * p.heads + h) * DV;
+
+  if (n_tiles == 0) {  // no key for any row: out = 0, lse = -inf
+    for (int i = threadIdx.x; i < q_rows * (DV / 8); i += NT)
+      st_global16(out + int64_t(i / (DV / 8)) * p.heads * DV + (i % (DV / 8)) * 8, make_uint4(0, 0, 0, 0));
+    if (p.lse != nullptr)
+      for (int i = threadIdx.x; i < q_rows; i += NT) p.lse[int64_t(r.q0 + q_first + i) * p.heads + h] = -INFINITY;
+    return;
+  }
+
+  const uint32_t q_s = smem_addr(smem) + C::q_s, k_s = smem_addr(smem) + C::k_s, v_s = smem_addr(smem) + C::v_s;
+  const Kv kv(p, b, r);
+  // The bases are rebuilt from the params (constant memory) at each use: registers are scarce
+  // next to O and S.
+  auto load_k = [&](int t, uint32_t dst) {
+    const char* kg = static_cast<const char*>(p.k) + int64_t(kvh) * DQK * 2;
+    copy_rows<DQK, BN, NT>(dst, kg, int64_t(p.kv_heads) * DQK * 2, [&](int i) { return kv.row(t * BN + i); });
+  };
+  auto load_v = [&](int t, uint32_t dst) {
+    const char* vg = static_cast<const char*>(p.v) + int64_t(kvh) * DV * 2;
+    copy_rows<DV, BN, NT>(dst, vg, int64_t(p.kv_heads) * DV * 2, [&](int i) { return kv.row(t * BN + i); });
+  };
+  const char* qg = static_cast<const char*>(p.q) + (int64_t(r.q0 + q_first) * p.heads + h) * DQK * 2;
+  copy_rows<DQK, BM, NT>(q_s, qg, q_stride * 2, [&](int i) { return i < q_rows ? int64_t(i) : int64_t(-1); });
+  // This thread's rows of S and O: 16 mi + g + 8 hf of the warp's 32.
+  float o[2][kO8][4], m_run[2][2], l_run[2][2];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int j = 0; j < kO8; ++j) o[mi][j][0] = o[mi][j][1] = o[mi][j][2] = o[mi][j][3] = 0.f;
+    m_run[mi][0] = m_run[mi][1] = -INFINITY;
+    l_run[mi][0] = l_run[mi][1] = 0.f;
+  }
+  // ldmatrix rows of this lane and the XOR its chunks take (swz with the row's low bits = lane's).
+  const uint32_t q_lane = q_s + (32 * warp + (lane & 15)) * C::kQRow;
+  const uint32_t k_lane = ((lane & 7) + ((lane >> 4) << 3)) * C::kQRow;
+  const uint32_t v_lane = (lane & 15) * C::kVRow;
+  const int xq = (lane >> 4) ^ (lane & 7), xk = ((lane >> 3) & 1) ^ (lane & 7);
+  auto k_buf = [&](int t) { return k_s + (C::kKStages == 2 ? (t & 1) * BN * C::kQRow : 0); };
+  auto v_buf = [&](int t) { return v_s + (t & 1) * BN * C::kVRow; };
+
+  // S = Q K^T for the tile in `kbuf`: each K fragment feeds both of the warp's 16-row halves.
+  auto scores = [&](float (&s)[2][kN8][4], uint32_t kbuf) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int j = 0; j < kN8; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+      const uint32_t col_q = ((ks >> 2) << 7) + ((((ks & 3) << 1) ^ xq) << 4);
+      const uint32_t col_k = ((ks >> 2) << 7) + ((((ks & 3) << 1) ^ xk) << 4);
+      uint32_t qa[2][4];
+      ldmatrix_x4(qa[0], q_lane + col_q);
+      ldmatrix_x4(qa[1], q_lane + 16 * C::kQRow + col_q);
+#pragma unroll
+      for (int j = 0; j < kN8; j += 2) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, kbuf + j * 8 * C::kQRow + k_lane + col_k);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma16816<T>(s[mi][j], qa[mi], kb);
+          mma16816<T>(s[mi][j + 1], qa[mi], kb + 2);
+        }
+      }
+    }
+  };
+
+  // Online softmax of tile t, one of this thread's rows (mi, hf) at a time: S into P in place, the
+  // row's rescale factor into alpha. Fast path (no mask, c > 0): the row max of the raw scores
+  // times c, and p = 2^(s c - m) in one FFMA and one ex2. Masked path: scores scaled first (any
+  // sign of c), keys the row does not see set to -inf. The running max moves lazily
+  // (softmax.cuh), so on most tiles alpha is 1 in every row of the warp and O is not rescaled
+  // (rescale_o). Every call passes `masked` as a literal: inlined, the path holds no branch.
+  float alpha[2][2];
+  auto softmax_row = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked, int mi, int hf) {
+    float mx = -INFINITY;
+    if (masked) {
+      const int lim = visible_keys(r, p.causal, q_first + 32 * warp + 16 * mi + g + 8 * hf) - t * BN;
+#pragma unroll
+      for (int j = 0; j < kN8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[mi][j][2 * hf + e];
+          x = 8 * j + 2 * tq + e < lim ? x * c : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kN8; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * hf], s[mi][j][2 * hf + 1]));
+      mx *= c;
+    }
+    mx = warp_max<4>(mx);  // the row's 4 threads
+    const float m_new = attn::next_max(m_run[mi][hf], mx);
+    alpha[mi][hf] = attn::rescale(m_run[mi][hf], m_new);
+    m_run[mi][hf] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN8; ++j) {
+      const float* x = &s[mi][j][2 * hf];
+      const float p0 = exp2_ftz(masked ? x[0] - m_new : fmaf(x[0], c, -m_new));
+      const float p1 = exp2_ftz(masked ? x[1] - m_new : fmaf(x[1], c, -m_new));
+      sum += p0 + p1;
+      pk[mi][j][hf] = pack2<T>(p0, p1);  // P rounded to T (the precision contract), packed for P V
+    }
+    l_run[mi][hf] = l_run[mi][hf] * alpha[mi][hf] + sum;
+  };
+  auto rescale_o = [&]() {
+    const bool moved = alpha[0][0] != 1.f || alpha[0][1] != 1.f || alpha[1][0] != 1.f || alpha[1][1] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < kO8; ++j) {
+          o[mi][j][0] *= alpha[mi][0];
+          o[mi][j][1] *= alpha[mi][0];
+          o[mi][j][2] *= alpha[mi][1];
+          o[mi][j][3] *= alpha[mi][1];
+        }
+    }
+  };
+  auto softmax = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked) {
+#pragma unroll
+    for (int row = 0; row < 4; ++row) softmax_row(s, pk, t, masked, row / 2, row % 2);
+    rescale_o();
+  };
+
+  // O += P V for the tile in `vbuf`: P's C fragments of two n8 tiles (packed by softmax_row) are
+  // the A fragment of one k16 step.
+  auto accumulate = [&](const uint32_t (&pk)[2][kN8][2], uint32_t vbuf) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pa[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        pa[mi][0] = pk[mi][2 * kk][0];
+        pa[mi][1] = pk[mi][2 * kk][1];
+        pa[mi][2] = pk[mi][2 * kk + 1][0];
+        pa[mi][3] = pk[mi][2 * kk + 1][1];
+      }
+#pragma unroll
+      for (int j = 0; j < kO8; j += 2) {  // n8 tiles j, j + 1: 16-byte chunks j, j + 1 (lane's: j + (lane >> 4))
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, vbuf + kk * 16 * C::kVRow + v_lane + ((j >> 3) << 7) + (((j & 7) ^ xq) << 4));
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma16816<T>(o[mi][j], pa[mi], vb);
+          mma16816<T>(o[mi][j + 1], pa[mi], vb + 2);
+        }
+      }
+    }
+  };
+  constexpr bool kMask = true, kWhole = false;  // softmax's literal flags
+
+  load_k(0, k_s);
+  load_v(0, v_s);
+  cp_async_commit();
+  for (int t = 0; t < n_tiles; ++t) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile t visible; every warp is done with tile t - 1's buffers
+    if (t + 1 < n_tiles) {
+      if constexpr (C::kKStages == 2) load_k(t + 1, k_buf(t + 1));
+      load_v(t + 1, v_buf(t + 1));
+      cp_async_commit();
+    }
+    float s[2][kN8][4];
+    scores(s, k_buf(t));
+    if constexpr (C::kKStages == 1) {
+      __syncthreads();  // every warp is done with K(t): its one buffer takes K(t + 1)
+      if (t + 1 < n_tiles) {
+        load_k(t + 1, k_s);
+        cp_async_commit();
+      }
+    }
+    uint32_t pk[2][kN8][2];
+    if (t >= n_full)
+      softmax(s, pk, t, kMask);
+    else
+      softmax(s, pk, t, kWhole);
+    accumulate(pk, v_buf(t));
+  }
+
+  // Normalise, round once, stage in this warp's own Q rows (only this warp read them), write.
+  const uint32_t stage = q_s + 32 * warp * C::kQRow;
+  __syncwarp();  // every lane's last ldmatrix of those rows is done (racecheck: the lanes are independent)
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float l = warp_sum<4>(l_run[mi][hf]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = 16 * mi + g + 8 * hf;
+      if (p.lse != nullptr && tq == 0 && 32 * warp + row < q_rows)
+        p.lse[int64_t(r.q0 + q_first + 32 * warp + row) * p.heads + h] = attn::lse2(m_run[mi][hf], l) * attn::kLn2;
+#pragma unroll
+      for (int j = 0; j < kO8; ++j) {
+        const uint32_t v = pack2<T>(o[mi][j][2 * hf] * inv, o[mi][j][2 * hf + 1] * inv);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + swz<C::kQRow>(row, j) + 4 * tq), "r"(v) : "memory");
+      }
+    }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 32 * kO8; i += 32) {
+    const int row = i / kO8, chunk = i % kO8;
+    if (32 * warp + row >= q_rows) continue;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(stage + swz<C::kQRow>(row, chunk))
+                 : "memory");
+    st_global16(out + int64_t(32 * warp + row) * p.heads * DV + chunk * 8, v);
+  }
+}
+
+}  // namespace prefill
+}  // namespace hmoe

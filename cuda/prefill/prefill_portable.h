@@ -1,0 +1,38 @@
+// The portable family's tile configurations for prefill, shared by its plan (prefill_portable.cu)
+// and the per-head-dims kernel files (prefill_portable_d<Dqk>.cu) that instantiate them.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "hmoe/prefill.h"
+
+namespace hmoe {
+namespace prefill {
+
+// Query rows a CTA: 32 a warp; two V buffers. Best first for each pair of head dims (the plan takes
+// the first that fits the device's shared memory).
+struct PortableConfig {
+  int dqk, dv, bn, kstages, warps;
+};
+constexpr PortableConfig kPortableConfigs[] = {
+    {192, 128, 64, 1, 4},  // 104 KB: two CTAs an H100 SM, the fastest there (docs/perf/prefill.md)
+    {192, 128, 32, 2, 4},  //  88 KB: fits sm_89 and sm_120 (99 KB a block)
+    {128, 128, 64, 2, 4},  //  96 KB
+    {64, 64, 64, 2, 4},    //  48 KB
+};
+constexpr int kNumPortableConfigs = int(sizeof(kPortableConfigs) / sizeof(kPortableConfigs[0]));
+
+constexpr int portable_tile_q(const PortableConfig& c) { return 32 * c.warps; }
+constexpr int portable_smem(const PortableConfig& c) {
+  return portable_tile_q(c) * 2 * c.dqk + c.kstages * c.bn * 2 * c.dqk + 2 * c.bn * 2 * c.dv;
+}
+
+// Defined in prefill_portable_d<DQK>.cu: the attention kernel of configuration `config` (an index
+// into kPortableConfigs with these head dims) on p (after the schedule), and the shared-memory
+// attributes of every kernel of these head dims that fits `smem_limit`.
+template <int DQK, int DV>
+void portable_kernel_launch(const PrefillParams& p, int config, cudaStream_t stream);
+template <int DQK, int DV>
+void portable_kernel_prewarm(int smem_limit);
+
+}  // namespace prefill
+}  // namespace hmoe

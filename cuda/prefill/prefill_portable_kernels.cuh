@@ -1,0 +1,88 @@
+// The definitions behind portable_kernel_launch / portable_kernel_prewarm (prefill_portable.h) for
+// one pair of head dims: each prefill_portable_d<Dqk>.cu includes this and instantiates its pair,
+// so the kernels of different head dims compile in parallel.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "common/cuda_util.h"
+#include "common/dtype.h"
+#include "prefill/prefill_kernel.cuh"
+#include "prefill/prefill_portable.h"
+
+namespace hmoe {
+namespace prefill {
+namespace portable_detail {
+
+template <int I>
+using ConfigOf = Config<kPortableConfigs[I].dqk, kPortableConfigs[I].dv, kPortableConfigs[I].bn,
+                        kPortableConfigs[I].kstages, kPortableConfigs[I].warps>;
+
+// f(ConfigOf<I>{}) for configuration `c` when it has these head dims; only those are instantiated.
+template <int DQK, int DV, int I, typename F>
+void visit_one(int c, F& f) {
+  if constexpr (kPortableConfigs[I].dqk == DQK && kPortableConfigs[I].dv == DV)
+    if (c < 0 || c == I) f(ConfigOf<I>{});
+}
+template <int DQK, int DV, typename F, int... I>
+void visit(int c, F&& f, std::integer_sequence<int, I...>) {
+  (visit_one<DQK, DV, I>(c, f), ...);
+}
+template <int DQK, int DV, typename F>
+void for_config(int c, F&& f) {  // c < 0: every configuration of these head dims
+  visit<DQK, DV>(c, f, std::make_integer_sequence<int, kNumPortableConfigs>{});
+}
+
+// f(kernel) for each dtype and KV source (with_kernel: the one p asks for).
+template <typename C, typename F>
+void each_kernel(F&& f) {
+  f(prefill_kernel<__nv_bfloat16, C, RaggedRows>);
+  f(prefill_kernel<__nv_bfloat16, C, PagedRows>);
+  f(prefill_kernel<__half, C, RaggedRows>);
+  f(prefill_kernel<__half, C, PagedRows>);
+}
+template <typename C, typename F>
+void with_kernel(const PrefillParams& p, F&& f) {
+  const bool ragged = p.kv == kPrefillRagged;
+  if (p.dtype == kBF16)
+    ragged ? f(prefill_kernel<__nv_bfloat16, C, RaggedRows>) : f(prefill_kernel<__nv_bfloat16, C, PagedRows>);
+  else
+    ragged ? f(prefill_kernel<__half, C, RaggedRows>) : f(prefill_kernel<__half, C, PagedRows>);
+}
+
+}  // namespace portable_detail
+
+template <int DQK, int DV>
+void portable_kernel_launch(const PrefillParams& p, int config, cudaStream_t stream) {
+  using namespace portable_detail;
+  bool launched = false;
+  for_config<DQK, DV>(config, [&](auto cfg) {
+    using C = decltype(cfg);
+    const dim3 grid(unsigned(int64_t(p.max_items) * p.heads));
+    with_kernel<C>(p, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p); });
+    launched = true;
+  });
+  if (!launched) throw std::invalid_argument("prefill: configuration " + std::to_string(config) + " is not built");
+  check_cuda(cudaGetLastError(), "prefill", "kernel launch");
+}
+
+template <int DQK, int DV>
+void portable_kernel_prewarm(int smem_limit) {
+  using namespace portable_detail;
+  for_config<DQK, DV>(-1, [&](auto cfg) {
+    using C = decltype(cfg);
+    if (C::kSmem > smem_limit) return;
+    each_kernel<C>([&](auto kernel) {
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem), "prefill",
+                 "shared-memory attribute");
+    });
+  });
+}
+
+}  // namespace prefill
+}  // namespace hmoe
