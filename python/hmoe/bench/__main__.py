@@ -11,6 +11,8 @@ SUBCOMMANDS = {
                                "the memory-bandwidth bound"),
     "experts": ("hmoe.bench.experts", "CPU routed experts (CPUExperts, moe_experts_cpu) vs a torch per-expert loop"),
     "mla": ("hmoe.bench.mla", "GPU MLA decode (mla_decode) vs flashinfer fa2/fa3, against copy bandwidth and matmul peak"),
+    "prefill": ("hmoe.bench.prefill", "GPU prefill attention (ragged_prefill) vs flashinfer fa2/fa3, against the matmul "
+                                       "floor"),
     "overhead": ("hmoe.bench.overhead", "host time per call of every op on tiny shapes (vs flashinfer's run() for MLA)"),
 }
 

@@ -1,0 +1,383 @@
+# `python -m hmoe.bench prefill`: hmoe.ops.ragged_prefill vs flashinfer's ragged prefill (fa2, fa3), against the matmul floor.
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import statistics
+import sys
+import types
+
+from hmoe import _reference
+from hmoe.backends.flashinfer import HOPPER
+from hmoe.bench import membw
+from hmoe.bench._report import progress, table_header
+
+# Named batches of sequences (queries = keys per request: a prompt's prefill): 16k tokens each.
+PRESETS = {"4x4096": [4096] * 4, "mix16k": [5000, 3000, 2600, 2000, 1500, 1000, 700, 400, 184]}
+DEFAULT_SHAPES = "4x4096,mix16k"
+DEFAULT_DIMS = "192x128,128x128"
+TOLERANCE = {"bf16": _reference.tolerance("prefill", "bfloat16"), "fp16": _reference.tolerance("prefill", "float16")}
+BACKENDS = ("fa2", "fa3")
+
+
+class Case(collections.namedtuple("Case", "name lens dqk dv H Hkv causal")):
+    """One table row: requests of `lens` tokens (queries = keys), head dims, heads, mask."""
+    label = property(lambda c: f"{c.name} {c.dqk}x{c.dv} H{c.H}/{c.Hkv}" + ("" if c.causal else " full"))
+
+
+def parse_lens(item: str) -> list[int]:
+    """A preset name, or '+'-joined terms 'L' or 'NxL' (N requests of L tokens): '2x1000+37'."""
+    if item in PRESETS:
+        return list(PRESETS[item])
+    lens = []
+    for term in item.lower().split("+"):
+        n, _, L = term.rpartition("x")
+        if not L.isdigit() or (n and not n.isdigit()) or int(L) < 1 or (n and int(n) < 1):
+            raise ValueError(f"bad shape {item!r}: expected a preset ({', '.join(PRESETS)}) or '+'-joined L or NxL "
+                             "terms of positive integers, e.g. 4x4096 or 3000+1000+2x512")
+        lens += [int(L)] * (int(n) if n else 1)
+    return lens
+
+
+def parse_dims(text: str) -> list[tuple[int, int]]:
+    from hmoe.ops.prefill import HEAD_DIMS
+
+    dims = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        a, _, b = item.lower().partition("x")
+        if not (a.isdigit() and b.isdigit()) or (int(a), int(b)) not in HEAD_DIMS:
+            raise ValueError(f"bad head dims {item!r}: expected QKxV, one of "
+                             f"{', '.join(f'{x}x{y}' for x, y in HEAD_DIMS)}")
+        dims.append((int(a), int(b)))
+    if not dims:
+        raise ValueError("no head dims given")
+    return dims
+
+
+def flops(c: Case) -> int:
+    """2 per multiply-add of Q K^T (Dqk) and P V (Dv) over the (query, key) pairs the mask keeps:
+    L (L + 1) / 2 a causal request of L tokens, L^2 a full one."""
+    pairs = sum(L * (L + 1) // 2 if c.causal else L * L for L in c.lens)
+    return 2 * pairs * c.H * (c.dqk + c.dv)
+
+
+def bytes_moved(c: Case, elt: int = 2) -> int:
+    """q, k and v read once, out written once."""
+    T = sum(c.lens)
+    return elt * T * (c.H * c.dqk + c.Hkv * (c.dqk + c.dv) + c.H * c.dv)
+
+
+def make_inputs(c: Case, dtype, device, seed: int):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = sum(c.lens)
+    rnd = lambda *size: torch.randn(size, generator=g, device=device, dtype=dtype)  # noqa: E731
+    ind = torch.tensor([0] + [sum(c.lens[:i + 1]) for i in range(len(c.lens))], dtype=torch.int32, device=device)
+    return types.SimpleNamespace(q=rnd(T, c.H, c.dqk), k=rnd(T, c.Hkv, c.dqk), v=rnd(T, c.Hkv, c.dv), qo_indptr=ind,
+                                 kv_indptr=ind.clone())
+
+
+def check_heads(H: int) -> list[int]:
+    """The query heads held to the fp64 reference: first, middle, last (all of them would cost more
+    than the bench)."""
+    return sorted({0, H // 2, H - 1})
+
+
+def reference(inp, c: Case, heads):
+    """out [T, len(heads), Dv] (fp64) of the given heads: hmoe._reference.prefill, on the GPU."""
+    return _reference.prefill(inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr, c.dqk ** -0.5, c.causal,
+                              heads=heads)[0]
+
+
+def rel_err(x, ref) -> float:
+    """Normwise relative error ||x - ref|| / ||ref|| in fp64; inf when x is not finite."""
+    x = x.double().to(ref.device)
+    if not bool(x.isfinite().all()):
+        return math.inf
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def measure(fn, c: Case, opts, flush, peak_tflops: float) -> dict:
+    """Median microseconds over --repeats (L2 flushed before each) and what follows: TFLOP/s, the
+    floor (FLOPs at the measured matmul rate) and the time over it. CUDA-graph replays unless
+    --eager or capture fails (said in timing_note)."""
+    import torch
+
+    graph, timing, note = None, "eager", None
+    if not opts.eager:
+        try:
+            graph, timing = torch.cuda.CUDAGraph(), "graph"
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager timing
+            graph, timing, note = None, "eager", f"graph capture failed ({_error(e)}); timed eager calls"
+    run = graph.replay if graph is not None else fn
+    for _ in range(opts.warmup):
+        run()
+    us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
+    med = statistics.median(us)
+    floor = flops(c) / (peak_tflops * 1e6)
+    return {"us": med, "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note,
+            "tflops": flops(c) / (med * 1e6), "floor_us": floor, "x_floor": med / floor}
+
+
+def hmoe_runner(inp, c: Case, opts):
+    import hmoe
+
+    out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
+    fn = lambda: hmoe.ops.ragged_prefill(inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr,  # noqa: E731
+                                         causal=c.causal, sm_scale=c.dqk ** -0.5, variant=opts.variant, out=out)
+    fn()  # eager first: the module's lazy work and the shape's plan, not mid-capture
+    return fn, out
+
+
+def hmoe_plan(inp, c: Case, opts) -> str | None:
+    from hmoe.ops import prefill
+
+    try:
+        return prefill.plan(opts.device.index, inp.q.shape[0], len(c.lens), c.H, c.Hkv, c.dqk, c.dv,
+                            variant=opts.variant).describe()
+    except Exception as e:  # noqa: BLE001 - the plan is a note; the timing already stands
+        return f"unknown ({_error(e)})"
+
+
+def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
+    """flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper on the same tensors (NHD layout: ours)."""
+    import torch
+
+    bufs = {}
+    if use_graph:  # capture needs the indptr in buffers that keep their address
+        bufs = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty_like(inp.qo_indptr),
+                "kv_indptr_buf": torch.empty_like(inp.kv_indptr)}
+    # fa2 splits long requests' keys and keeps the partial outputs here (1.1 GB for 16k tokens x 128 heads)
+    workspace = torch.empty(2 << 30, dtype=torch.uint8, device=inp.q.device)
+    wrapper = fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend, **bufs)
+    wrapper.plan(inp.qo_indptr, inp.kv_indptr, c.H, c.Hkv, c.dqk, head_dim_vo=c.dv, causal=c.causal,
+                 sm_scale=c.dqk ** -0.5, q_data_type=inp.q.dtype, kv_data_type=inp.k.dtype)
+    out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
+    fn = lambda: wrapper.run(inp.q, inp.k, inp.v, out=out)  # noqa: E731
+    fn()  # a backend's first use JIT-compiles here, outside any timing
+    return fn, out
+
+
+def load_flashinfer():
+    """(module, None) or (None, why): any exception, as a flashinfer built for another torch fails otherwise."""
+    try:
+        import flashinfer
+        import flashinfer.prefill  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return None, _error(e)
+    return flashinfer, None
+
+
+def _error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progress) -> dict:
+    """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
+    import torch
+
+    row = {"case": c.label, "lens": c.lens, "dqk": c.dqk, "dv": c.dv, "H": c.H, "Hkv": c.Hkv, "causal": c.causal,
+           "dtype": opts.dtype, "flops": flops(c), "bytes": bytes_moved(c), "hmoe": {}, "flashinfer": {},
+           "checks": []}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
+    inp = make_inputs(c, dtype, opts.device, opts.seed)
+    outs = {}
+    try:
+        progress(f"{c.label}: hmoe")
+        fn, out = hmoe_runner(inp, c, opts)
+        row["hmoe"], outs["hmoe"] = measure(fn, c, opts, flush, peak_tflops), out
+        row["hmoe"]["plan"] = hmoe_plan(inp, c, opts)
+    except Exception as e:  # noqa: BLE001 - reported in the table; flashinfer still runs
+        row["hmoe"] = {"error": _error(e)}
+    for backend in getattr(opts, "backend_list", BACKENDS) if fi is not None else ():
+        if backend in fi_skip:
+            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
+            continue
+        try:
+            progress(f"{c.label}: flashinfer {backend} (a backend's first use may JIT-compile for minutes)")
+            fn, out = flashinfer_runner(fi, backend, inp, c, use_graph=not opts.eager)
+            res = measure(fn, c, opts, flush, peak_tflops)
+            if "us" in row["hmoe"]:
+                res["speedup"] = res["us"] / row["hmoe"]["us"]  # > 1: hmoe is faster
+            row["flashinfer"][backend], outs[backend] = res, out
+        except Exception as e:  # noqa: BLE001 - a flashinfer failure is a table cell, never a crash
+            row["flashinfer"][backend] = {"error": _error(e)}
+    torch.cuda.synchronize()
+    heads, tol = check_heads(c.H), TOLERANCE[opts.dtype]
+    ref = reference(inp, c, heads)
+
+    def check(what, err, tol, counts):  # counts False: says something about flashinfer, not hmoe
+        row["checks"].append({"what": what, "rel_err": err, "tol": tol, "ok": err <= tol, "counts": counts})
+        return err <= tol
+
+    ok = {impl: check(f"{impl} vs ref", rel_err(out[:, heads], ref), tol, impl == "hmoe") for impl, out in outs.items()}
+    for backend in (b for b in BACKENDS if b in outs and "hmoe" in outs):
+        # every head; two roundings of the same math differ by up to twice one's error. It counts
+        # against hmoe only where flashinfer itself matched the reference
+        check(f"hmoe vs {backend}", rel_err(outs["hmoe"], outs[backend].double()), 2 * tol, ok[backend])
+    row["failed"] = "error" in row["hmoe"] or any(ch["counts"] and not ch["ok"] for ch in row["checks"])
+    del inp, outs, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def check_cell(row: dict) -> str:
+    if "error" in row["hmoe"]:
+        return "FAIL hmoe: " + row["hmoe"]["error"]
+    bad = [ch for ch in row["checks"] if ch["counts"] and not ch["ok"]]
+    if bad:
+        return "FAIL " + ", ".join(f"{ch['what']} {ch['rel_err']:.1e} > {ch['tol']:.0e}" for ch in bad)
+    good = ", ".join(f"{ch['what'].replace('hmoe vs ', '')} {ch['rel_err']:.1e}" for ch in row["checks"]
+                     if ch["counts"])
+    off = [ch["what"] for ch in row["checks"] if not ch["counts"] and not ch["ok"]]
+    return f"ok {good}" + (f" (flashinfer off: {', '.join(off)})" if off else "")
+
+
+def _fi(row: dict, backend: str, key: str) -> str:
+    res = row["flashinfer"].get(backend) or {}
+    if key == "speedup" or not res:
+        return f"{res['speedup']:.2f}x" if res.get("speedup") else "-"
+    return f"{res['us']:.0f}" if "us" in res else ("error" if "error" in res else "n/a")
+
+
+def _hm(key: str, fmt: str):
+    return lambda r: format(r["hmoe"][key], fmt) if r["hmoe"].get(key) is not None else "-"
+
+
+COLUMNS = [  # (title, width, cell)
+    ("case", 27, lambda r: r["case"]), ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
+    ("us(med)", 8, _hm("us", ".0f")), ("TFLOP/s", 7, _hm("tflops", ".0f")), ("floor us", 8, _hm("floor_us", ".0f")),
+    ("x floor", 7, _hm("x_floor", ".2f")),
+    ("fa2 us", 7, lambda r: _fi(r, "fa2", "us")), ("x fa2", 6, lambda r: _fi(r, "fa2", "speedup")),
+    ("fa3 us", 7, lambda r: _fi(r, "fa3", "us")), ("x fa3", 6, lambda r: _fi(r, "fa3", "speedup")),
+    ("check", 0, check_cell),
+]
+
+
+def format_header() -> str:
+    return table_header(COLUMNS)
+
+
+def format_row(row: dict) -> str:
+    """The table line, then an indented line per flashinfer error and per timing note."""
+    lines = ["  ".join(f"{cell(row):<{w}}" for _, w, cell in COLUMNS).rstrip()]
+    for name, res in [("hmoe", row["hmoe"])] + list(row["flashinfer"].items()):
+        lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
+    return "\n".join(lines)
+
+
+def parse_args(argv, prog):
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Time hmoe.ops.ragged_prefill against flashinfer's BatchPrefillWithRaggedKVCacheWrapper (fa2, fa3) on the "
+        "same tensors, count FLOPs (causal: only the pairs the mask keeps), relate them to the bf16 matmul rate "
+        "measured in the same run (the floor), check every output against an fp64 reference."))
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help=f"comma list of batches: a preset ({', '.join(PRESETS)}) or '+'-joined L / NxL request lengths "
+                        f"(default {DEFAULT_SHAPES})")
+    p.add_argument("--dims", default=DEFAULT_DIMS, help=f"comma list of QKxV head dims (default {DEFAULT_DIMS})")
+    p.add_argument("--heads", type=int, default=128, help="query heads (default 128, DeepSeek's MLA prefill)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
+    p.add_argument("--dtype", default="bf16", choices=tuple(TOLERANCE))
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to ragged_prefill)")
+    p.add_argument("--config", type=int, default=None,
+                   help="force the kernel's tile configuration (an index, see hmoe.ops.prefill.plan; sets "
+                        "HMOE_PREFILL_CONFIG)")
+    p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help=f"flashinfer backends to time, comma list of {', '.join(BACKENDS)} (default all)")
+    p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    opts = p.parse_args(argv)
+    try:
+        lens = [(item, parse_lens(item)) for item in (t.strip() for t in opts.shapes.split(",")) if item]
+        if not lens:
+            raise ValueError("no shapes given")
+        dims = parse_dims(opts.dims)
+    except ValueError as e:
+        p.error(str(e))
+    opts.backend_list = [b.strip() for b in opts.backends.split(",") if b.strip()]
+    if not set(opts.backend_list) <= set(BACKENDS):
+        p.error(f"--backends must name some of {', '.join(BACKENDS)}")
+    kv_heads = opts.kv_heads or opts.heads
+    if opts.heads < 1 or kv_heads < 1 or opts.heads % kv_heads:
+        p.error("--heads must be a positive multiple of --kv-heads")
+    if opts.repeats < 1 or opts.warmup < 0:
+        p.error("--repeats must be positive, --warmup >= 0")
+    opts.cases = [Case(name, L, dqk, dv, opts.heads, kv_heads, not opts.no_causal) for dqk, dv in dims
+                  for name, L in lens]
+    return opts
+
+
+def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    import os
+
+    import torch
+
+    if opts.config is not None:
+        os.environ["HMOE_PREFILL_CONFIG"] = str(opts.config)
+    if not torch.cuda.is_available():
+        print(f"hmoe.bench prefill: no usable CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
+              f"built for CUDA {torch.version.cuda or 'none: a CPU-only build'}).\nThis benchmark times GPU kernels: "
+              "run it on a machine with an NVIDIA GPU; `python -m hmoe.compat check` says what hmoe sees.", file=sys.stderr)
+        return 2
+    import hmoe
+    from hmoe.ops import _cuda
+
+    opts.device = dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    cc = (props.major, props.minor)
+    fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer()
+    fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != HOPPER else {}
+    try:
+        sel = _cuda.select("ragged_prefill", dev.index, opts.variant)
+        selection = f"{sel.variant} ({sel.reason})"
+    except Exception as e:  # noqa: BLE001 - the rows show the error too
+        selection = f"none: {_error(e)}"
+    progress("measuring the bf16 matmul rate")
+    peak = membw.gpu_matmul_tflops(dev)
+    timing = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
+    meta = {"gpu": props.name, "cc": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
+            "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why,
+            "flashinfer_skipped": fi_skip, "dtype": opts.dtype, "repeats": opts.repeats, "warmup": opts.warmup,
+            "check_heads": "first, middle and last query head",
+            "timing": f"{timing}; CUDA events; median over repeats; L2 flushed (reading 4x its size) before each"}
+    print(f"hmoe.bench prefill  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs)  torch "
+          f"{torch.__version__}  hmoe {meta['hmoe']}  flashinfer {meta['flashinfer'] or 'unavailable: ' + str(fi_why)}"
+          + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
+    print(f"hmoe variant: {selection};  {opts.dtype}, sm_scale 1/sqrt(Dqk);  timing: {meta['timing']}")
+    print(f"bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s (the floor's rate)\n"
+          "TFLOP/s = 2 x (query, key) pairs the mask keeps x H x (Dqk + Dv) / time; floor = those FLOPs at the matmul "
+          "rate;\nx floor = time / floor; x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
+          "check = normwise rel. error vs an fp64 reference (first, middle, last head) and vs flashinfer (all "
+          "heads); FAIL over tolerance\n")
+    print(format_header(), flush=True)
+    flush, rows = membw.GpuL2Flusher(dev), []
+    for c in opts.cases:
+        rows.append(run_case(c, opts, fi, fi_skip, peak["tflops"], flush, progress))
+        print(format_row(rows[-1]), flush=True)
+    plans = [f"  {r['case']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
+    if plans:
+        print("\nhmoe's plan per case (hmoe.ops.prefill.plan):\n" + "\n".join(plans))
+    failures = sum(r["failed"] for r in rows)
+    print(f"\n{len(rows)} cases, {f'{failures} FAILED' if failures else 'all hmoe outputs check out'}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"meta": meta, "matmul": peak, "results": rows, "failures": failures}, f, indent=1)
+        progress(f"wrote {opts.json}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
