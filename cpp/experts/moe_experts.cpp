@@ -105,7 +105,7 @@ constexpr int64_t kBytesPerThread = 256 << 10;
 int threads_for(int64_t bytes, int threads) { return int(std::clamp<int64_t>(bytes / kBytesPerThread, 1, threads)); }
 
 #ifndef HMOE_TUNE_TASK_UNITS
-#define HMOE_TUNE_TASK_UNITS 16
+#define HMOE_TUNE_TASK_UNITS 64
 #endif
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
@@ -161,17 +161,45 @@ void combine(const MoeParams& p, const Routing& r, const float* Y, int64_t ldy, 
       });
 }
 
+// Copies the rows of every active expert that takes the tile path (panel.h) into tile order.
+template <class Fmt, class Rows>
+void build_tiles(Workspace::Call& ws, const Routing& r, const Rows& rows, const PackedK& K, int threads,
+                 ExpertTiles& t) {
+  if constexpr (Fmt::kTiles && isa::Tiles::kAvailable) {
+    const TileGeometry<Fmt> geo(rows.ld, K);
+    const size_t n = r.active.size();
+    t.off.assign(n, -1);
+    int64_t total = 0;
+    for (size_t a = 0; a < n; ++a) {
+      const int64_t e = r.active[a], m = r.offset[size_t(e + 1)] - r.offset[size_t(e)];
+      if (use_tiles<Fmt>(m)) t.off[a] = total, total += round_up(m, 32) * geo.kbytes;
+    }
+    if (total == 0) return;
+    t.buf = ws.take<char>(total);
+    t.kw = geo.kw, t.ncols = geo.kbytes / geo.kw;
+    ThreadPool::instance().parallel_for(int64_t(n), threads_for(total, threads), [&](int64_t a, int) {
+      if (t.off[size_t(a)] < 0) return;
+      const int64_t e = r.active[size_t(a)], row0 = r.offset[size_t(e)];
+      const int64_t m = r.offset[size_t(e + 1)] - row0;
+      pack_tiles(row_bytes(rows.at(row0)), geo.kbytes, round_up(m, 32), geo.kbytes, geo.kw, t.buf + t.off[size_t(a)]);
+    });
+  } else {
+    (void)ws, (void)r, (void)rows, (void)K, (void)threads, (void)t;
+  }
+}
+
 template <class Fmt>
-void alloc_rows(ActRows<Fmt::kAct>& a, int64_t rows, int64_t ld, int64_t group) {
+void alloc_rows(Workspace::Call& ws, ActRows<Fmt::kAct>& a, int64_t rows, int64_t ld, int64_t group) {
   if constexpr (Fmt::kAct == Act::kI8)
-    a.alloc(rows, ld, group);
+    a.alloc(ws, rows, ld, group);
   else
-    a.alloc(rows, ld);
+    a.alloc(ws, rows, ld);
 }
 
 // Packed weights (prepacked, or packed on the fly per task): the path of every format.
 template <class Fmt>
 void run_packed(const MoeParams& p, const Routing& r, int threads) {
+  Workspace::Call ws;
   PhaseClock clock;
   ThreadPool& pool = ThreadPool::instance();
   const int64_t S = p.T * p.K;
@@ -189,29 +217,27 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   pool.wake(threads1);  // the gather below runs while the workers get going
 
   ActRows<Fmt::kAct> X, Hact;
-  alloc_rows<Fmt>(X, S, Fmt::packed_k(p.H, p.group13), p.group13);
+  alloc_rows<Fmt>(ws, X, S, Fmt::packed_k(p.H, p.group13), p.group13);
   const int64_t ldh = std::max(Fmt::packed_k(p.I, p.group2), n_pairs * kBlockN);
-  alloc_rows<Fmt>(Hact, S, ldh, p.group2);
+  alloc_rows<Fmt>(ws, Hact, S, ldh, p.group2);
   gather(p, r, X, threads);
+  ExpertTiles x_tiles, h_tiles;
+  build_tiles<Fmt>(ws, r, X, k13, threads, x_tiles);
   // h = silu(gate) * up: straight into Hact 16 columns at a time, or (int8 activations, quantised
   // per group of a whole row) into fp32 rows first.
   ActRows<Act::kF32> Hf;
   if constexpr (kQuantAct) {
-    Hf.alloc(S, n_pairs * kBlockN);
+    Hf.alloc(ws, S, n_pairs * kBlockN);
   } else {  // columns of Hact no GEMM1 block writes read as zero in GEMM2
-    for (int64_t s = 0; s < S; ++s)
-      std::fill(Hact.buf.get() + s * ldh + n_pairs * kBlockN, Hact.buf.get() + (s + 1) * ldh, 0);
+    for (int64_t s = 0; s < S; ++s) std::fill(Hact.buf + s * ldh + n_pairs * kBlockN, Hact.buf + (s + 1) * ldh, 0);
   }
-  auto Y = uninit<float>(S * n_out * kBlockN);
+  float* Y = ws.take<float>(S * n_out * kBlockN);
   const int64_t ldy = n_out * kBlockN;
 
   // Per-thread scratch for blocks packed on the fly (unpacked float weights): packed right before
   // the rows that use them, so they stay in L2.
-  std::vector<std::unique_ptr<char[]>> scratch(static_cast<size_t>(threads));
-  auto scratch_for = [&](int worker) {
-    if (!scratch[size_t(worker)]) scratch[size_t(worker)] = uninit<char>(kMaxNR * std::max(block13, block2));
-    return scratch[size_t(worker)].get();
-  };
+  char* scratch = p.packed ? nullptr : ws.take<char>(threads * kMaxNR * std::max(block13, block2));
+  auto scratch_for = [&](int worker) { return scratch + worker * kMaxNR * std::max(block13, block2); };
   // Runs blocks [b0, b1) of expert e's matrix: prepacked, or packed kMaxNR at a time into scratch.
   auto run_blocks = [&](int worker, const char* we, int64_t b0, int64_t b1, int64_t block, auto pack, auto&& gemm) {
     const void* B[128];
@@ -236,11 +262,12 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
     const int64_t e = r.active[size_t(tk.a)];
     const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
     const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? bytes13 : 2 * p.I * p.H * wsz);
+    const TileA xt = x_tiles.has(tk.a) ? x_tiles.tiles(tk.a) : TileA{};
     auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
       pack_w13_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
     };
     run_blocks(w, w13e, 2 * tk.b0, 2 * tk.b1, block13, pack, [&](int64_t c0, int nb, const void* const* B) {
-      task_gemm<Fmt>(rows, X.at(row0), B, nb, k13,
+      task_gemm<Fmt>(rows, X.at(row0), x_tiles.has(tk.a) ? &xt : nullptr, B, nb, k13,
                      [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
                        float h[kBlockN];
                        for (int i = 0; i < m; ++i)
@@ -258,7 +285,8 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   });
   clock.mark(1);
   if constexpr (kQuantAct)
-    for_rows(S, S * p.I * 4, threads, [&](int64_t s) { Hact.store(s, Hf.buf.get() + s * Hf.ld, p.I); });
+    for_rows(S, S * p.I * 4, threads, [&](int64_t s) { Hact.store(s, Hf.buf + s * Hf.ld, p.I); });
+  build_tiles<Fmt>(ws, r, Hact, k2, threads, h_tiles);
   clock.mark(2);
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
@@ -268,20 +296,21 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
     const int64_t e = r.active[size_t(tk.a)];
     const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
     const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? bytes2 : p.H * p.I * wsz);
+    const TileA ht = h_tiles.has(tk.a) ? h_tiles.tiles(tk.a) : TileA{};
     auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
       pack_w2_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
     };
     run_blocks(w, w2e, tk.b0, tk.b1, block2, pack, [&](int64_t c0, int nb, const void* const* B) {
-      task_gemm<Fmt>(rows, Hact.at(row0), B, nb, k2,
+      task_gemm<Fmt>(rows, Hact.at(row0), h_tiles.has(tk.a) ? &ht : nullptr, B, nb, k2,
                      [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
                        for (int i = 0; i < m; ++i)
-                         std::memcpy(Y.get() + (row0 + r0 + i) * ldy + (c0 + b0) * kBlockN, C + i * ldc,
+                         std::memcpy(Y + (row0 + r0 + i) * ldy + (c0 + b0) * kBlockN, C + i * ldc,
                                      size_t(nbk * kBlockN * 4));
                      });
     });
   });
   clock.mark(3);
-  combine(p, r, Y.get(), ldy, threads);
+  combine(p, r, Y, ldy, threads);
   clock.mark(4);
 }
 
@@ -289,15 +318,16 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
 // each weight row once, with fp32 activations (bf16 values for bf16 weights, the same contract).
 template <class Fmt>
 void run_rows(const MoeParams& p, const Routing& r, int threads) {
+  Workspace::Call ws;
   ThreadPool& pool = ThreadPool::instance();
   const int64_t S = p.T * p.K, n_pairs = ceil_div(p.I, kBlockN), n_out = ceil_div(p.H, kBlockN);
   const int64_t wsz = sizeof(typename Fmt::Elem), ldh = n_pairs * kBlockN, ldy = n_out * kBlockN;
   ActRows<Act::kF32> X, Hact;
   X.round_bf16 = Hact.round_bf16 = Fmt::kAct == Act::kBF16;
-  X.alloc(S, p.H);
-  Hact.alloc(S, ldh);
+  X.alloc(ws, S, p.H);
+  Hact.alloc(ws, S, ldh);
   gather(p, r, X, threads);
-  auto Y = uninit<float>(S * ldy);
+  float* Y = ws.take<float>(S * ldy);
   const int64_t n_active = int64_t(r.active.size());
 
   // Gate rows j and up rows I + j of the row-major [2I, H] matrix.
@@ -319,7 +349,7 @@ void run_rows(const MoeParams& p, const Routing& r, int threads) {
             rp[j] = w13e + wrow * p.H * wsz;
           }
           with_count<isa::kMR>(m, [&](auto mr) {
-            Micro<Fmt>::template rows<decltype(mr)::value>(X.buf.get() + (row0 + i0) * X.ld, X.ld, rp, p.H, g + c,
+            Micro<Fmt>::template rows<decltype(mr)::value>(X.buf + (row0 + i0) * X.ld, X.ld, rp, p.H, g + c,
                                                            2 * kBlockN);
           });
         }
@@ -346,15 +376,14 @@ void run_rows(const MoeParams& p, const Routing& r, int threads) {
           const void* rp[kRowsNW];
           for (int j = 0; j < kRowsNW; ++j) rp[j] = w2e + std::min(nb * kBlockN + c0 + j, p.H - 1) * p.I * wsz;
           with_count<isa::kMR>(m, [&](auto mr) {
-            Micro<Fmt>::template rows<decltype(mr)::value>(Hact.buf.get() + (row0 + i0) * ldh, ldh, rp, p.I, c + c0,
-                                                           kBlockN);
+            Micro<Fmt>::template rows<decltype(mr)::value>(Hact.buf + (row0 + i0) * ldh, ldh, rp, p.I, c + c0, kBlockN);
           });
         }
-        for (int i = 0; i < m; ++i) std::memcpy(Y.get() + (row0 + i0 + i) * ldy + nb * kBlockN, c + i * kBlockN, 64);
+        for (int i = 0; i < m; ++i) std::memcpy(Y + (row0 + i0 + i) * ldy + nb * kBlockN, c + i * kBlockN, 64);
       }
     }
   });
-  combine(p, r, Y.get(), ldy, threads);
+  combine(p, r, Y, ldy, threads);
 }
 
 }  // namespace

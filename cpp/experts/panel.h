@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "experts/act.h"
@@ -42,24 +43,48 @@ bool use_tiles(int64_t rows) {
 constexpr int64_t kTileRows = HMOE_TUNE_TILE_ROWS;
 constexpr int64_t kTileChunkBytes = HMOE_TUNE_TILE_CHUNK_BYTES;  // one A row slice a chunk: 32 rows x 2 KB
 
+// The first byte of a row panel of activations (int8 or bf16 rows).
+inline const char* row_bytes(const ActRows<Act::kI8>::Panel& a) { return reinterpret_cast<const char*>(a.q); }
+inline const char* row_bytes(const ActRows<Act::kBF16>::Panel& a) { return reinterpret_cast<const char*>(a.p); }
+inline const char* row_bytes(const ActRows<Act::kF32>::Panel& a) { return reinterpret_cast<const char*>(a.p); }
+
 // Rows of A in tile order: [rows / 16][kbytes / kw][16][kw] bytes.
 struct TileA {
-  const char* p;
-  int64_t kw, ncols;
+  const char* p = nullptr;
+  int64_t kw = 0, ncols = 0;
   // The tile of rows [r, r + 16) (r a multiple of 16) and the kw bytes from byte kb of each row.
   const char* at(int64_t r, int64_t kb) const { return p + ((r / 16) * ncols + kb / kw) * 16 * kw; }
 };
 
-// `rows` (a multiple of 16) rows of kbytes bytes (a multiple of kw), row stride lda bytes.
-inline TileA pack_tiles(const char* a, int64_t lda, int64_t rows, int64_t kbytes, int64_t kw, std::vector<char>& buf) {
+// Copies `rows` (a multiple of 16) rows of kbytes bytes (a multiple of kw), row stride lda bytes,
+// into tile order at dst (rows * kbytes bytes).
+inline TileA pack_tiles(const char* a, int64_t lda, int64_t rows, int64_t kbytes, int64_t kw, char* dst) {
   const int64_t ncols = kbytes / kw;
-  buf.resize(size_t(rows * kbytes));
-  char* d = buf.data();
+  char* d = dst;
   for (int64_t r = 0; r < rows; r += 16)
     for (int64_t c = 0; c < ncols; ++c)
       for (int64_t i = 0; i < 16; ++i, d += kw) std::memcpy(d, a + (r + i) * lda + c * kw, size_t(kw));
-  return {buf.data(), kw, ncols};
+  return {dst, kw, ncols};
 }
+
+// The tile order's geometry for a format's activation rows: row bytes and bytes a tile row.
+template <class Fmt>
+struct TileGeometry {
+  int64_t kbytes, kw;
+  TileGeometry(int64_t ld, const PackedK& K)
+      : kbytes(Fmt::kAct == Act::kI8 ? ld : 2 * ld), kw(Fmt::kAct == Act::kI8 ? std::min<int64_t>(64, K.group) : 64) {}
+};
+
+// The activation rows of every expert that takes the tile path, copied into tile order once per
+// call, so that the tasks of an expert share them: expert a's rows (from its first, a multiple of
+// 32 of them) at tiles(a), or at(a) < 0 when the expert runs the register kernels.
+struct ExpertTiles {
+  char* buf = nullptr;
+  std::vector<int64_t> off;  // per active expert: byte offset into buf, or -1
+  int64_t kw = 64, ncols = 0;
+  bool has(int32_t a) const { return !off.empty() && off[size_t(a)] >= 0; }
+  TileA tiles(int32_t a) const { return {buf + off[size_t(a)], kw, ncols}; }
+};
 
 template <class Fmt, class T = isa::Tiles>
 void tiles_bf16(int64_t rows, const TileA& A, const void* const* B, int nb, const PackedK& K, float* C, int64_t ldc) {
@@ -153,10 +178,11 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
 
 // Runs C = A rows x blocks B[0..nb) for `rows` rows (any count) and calls
 // epi(row0, m, b0, nbk, C, ldc) for runs of m rows and blocks [b0, b0 + nbk):
-// C[i][16 * (b - b0) + c] is row row0 + i, column c of block b.
+// C[i][16 * (b - b0) + c] is row row0 + i, column c of block b. `tiles`: A's rows in tile order
+// (ExpertTiles), or null (the tile path copies the rows it takes).
 template <class Fmt, typename Epi>
-void task_gemm(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* const* B, int nb, const PackedK& K,
-               Epi&& epi) {
+void task_gemm(int64_t rows, const typename Micro<Fmt>::Panel& A, const TileA* tiles, const void* const* B, int nb,
+               const PackedK& K, Epi&& epi) {
   using M = Micro<Fmt>;
   if constexpr (Fmt::kTiles) {
     if (use_tiles<Fmt>(rows)) {
@@ -166,15 +192,19 @@ void task_gemm(int64_t rows, const typename Micro<Fmt>::Panel& A, const void* co
         const int64_t rn = std::min(kTileRows, rows - r0), rpad = round_up(rn, 32);
         cbuf.resize(size_t(rpad * ldc));
         const auto a = M::offset(A, r0);
-        thread_local std::vector<char> abuf;
-        if constexpr (Fmt::kAct == Act::kI8) {
-          const TileA t =
-              pack_tiles(reinterpret_cast<const char*>(a.q), a.ld, rpad, a.ld, std::min<int64_t>(64, K.group), abuf);
-          tiles_int<Fmt>(rpad, t, a, B, nb, K, cbuf.data(), ldc);
+        const TileGeometry<Fmt> geo(a.ld, K);
+        TileA t;
+        if (tiles) {
+          t = {tiles->at(r0, 0), tiles->kw, tiles->ncols};
         } else {
-          const TileA t = pack_tiles(reinterpret_cast<const char*>(a.p), 2 * a.ld, rpad, 2 * a.ld, 64, abuf);
-          tiles_bf16<Fmt>(rpad, t, B, nb, K, cbuf.data(), ldc);
+          thread_local std::vector<char> abuf;
+          abuf.resize(size_t(rpad * geo.kbytes));
+          t = pack_tiles(row_bytes(a), geo.kbytes, rpad, geo.kbytes, geo.kw, abuf.data());
         }
+        if constexpr (Fmt::kAct == Act::kI8)
+          tiles_int<Fmt>(rpad, t, a, B, nb, K, cbuf.data(), ldc);
+        else
+          tiles_bf16<Fmt>(rpad, t, B, nb, K, cbuf.data(), ldc);
         for (int64_t r = 0; r < rn; r += 32)
           epi(r0 + r, int(std::min<int64_t>(32, rn - r)), 0, nb, cbuf.data() + r * ldc, ldc);
       }

@@ -14,6 +14,7 @@
 
 #include "common/dtype.h"
 #include "experts/format.h"
+#include "experts/isa/contract.h"
 #include "experts/moe_experts.h"
 #include "experts/pack.h"
 
@@ -22,6 +23,15 @@ extern double g_phase_ms[5];
 }
 
 using namespace hmoe;
+
+// Linux grants AMX tile data per process, on request ("" when granted or not needed).
+template <class T = isa::Tiles>
+const char* amx_permission() {
+  if constexpr (T::kAvailable)
+    return T::ensure_permission();
+  else
+    return "";
+}
 
 int main(int argc, char** argv) {
   if (argc < 7) {
@@ -33,7 +43,11 @@ int main(int argc, char** argv) {
                 T = std::atoll(argv[6]);
   const int repeats = argc > 7 ? std::atoi(argv[7]) : 5;
   const int threads = int(std::thread::hardware_concurrency());
-  const int32_t fmt = fmt_name == "int8" ? kWInt8 : fmt_name == "int4" ? kWInt4 : kBF16;
+  if (const char* why = amx_permission(); *why) {
+    std::fprintf(stderr, "AMX unusable: %s\n", why);
+    return 1;
+  }
+  const int32_t fmt = fmt_name == "int8" ? int32_t(kWInt8) : fmt_name == "int4" ? int32_t(kWInt4) : int32_t(kBF16);
   const bool per_row = fmt == kWInt8;
   const int64_t g13 = fmt == kBF16 ? 0 : per_row ? round_up(H, 128) : 128;
   const int64_t g2 = fmt == kBF16 ? 0 : per_row ? round_up(I, 128) : 128;
