@@ -122,7 +122,12 @@ static void run_task(Problem& p, int variant) {
             _tile_dpbsud(3, 5, 7);
           }
         };
-        auto zero = [] { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); };
+        auto zero = [] {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        };
         auto sw = [&](const uint8_t* b, int g) { return b + size_t(g) * chunk + 16 * kGroup; };
         if (!per_group) {
           zero();
@@ -130,8 +135,9 @@ static void run_task(Problem& p, int variant) {
           store4(acc[0]);
           for (int i = 0; i < 32; ++i)
             for (int h = 0; h < 2; ++h)
-              _mm512_storeu_ps(c + i * ldc + h * 16, _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[0] + i * 32 + h * 16)),
-                                                                  _mm512_loadu_ps(c + i * ldc + h * 16)));
+              _mm512_storeu_ps(c + i * ldc + h * 16,
+                               _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[0] + i * 32 + h * 16)),
+                                             _mm512_loadu_ps(c + i * ldc + h * 16)));
           continue;
         }
         for (int i = 0; i < 32; ++i)
@@ -181,7 +187,10 @@ static void run_task_bf16(Problem& p, bool packed, std::vector<uint16_t>& a, std
           _tile_loadd(2, c + 16 * ldc, ldc * 4);
           _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
         } else {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
         }
         for (int k = k0; k < k0 + 1024; k += 32) {
           if (packed) {
@@ -211,8 +220,8 @@ static void run_task_bf16(Problem& p, bool packed, std::vector<uint16_t>& a, std
 int main() {
   constexpr int kArchReqXcompPerm = 0x1023, kXtiledata = 18;
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata)) return 1;
-  const char* names[] = {"strided A, one epilogue", "packed A, one epilogue", "per group: stores only",
-                         "per group: stores + epilogue", "per group: + mfence", "per group: pipelined",
+  const char* names[] = {"strided A, one epilogue",      "packed A, one epilogue", "per group: stores only",
+                         "per group: stores + epilogue", "per group: + mfence",    "per group: pipelined",
                          "per group: no offset term"};
   for (int K : {2048, 7168}) {
     for (int v = 0; v < 7; ++v) {
@@ -253,7 +262,8 @@ int main() {
 #pragma omp parallel num_threads(threads)
           {
             int t = omp_get_thread_num();
-            if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) == 0) run_task_bf16(*ps[t], packed, as[t], bs[t]);
+            if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) == 0)
+              run_task_bf16(*ps[t], packed, as[t], bs[t]);
           }
           best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
