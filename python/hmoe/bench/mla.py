@@ -5,11 +5,12 @@ import argparse
 import collections
 import json
 import math
-import statistics
 import sys
 import types
 
 from hmoe.bench import membw
+from hmoe.bench import _gpu_bench
+from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err, time_calls
 from hmoe.bench._report import progress, table_header
 from hmoe.ops.mla import D_CKV, D_PE
 from hmoe import _reference
@@ -75,37 +76,15 @@ def reference(inp, n: int, sm_scale: float):
                          inp.seq_lens[:n], sm_scale)[0].double()
 
 
-def rel_err(x, ref) -> float:
-    """Normwise relative error ||x - ref|| / ||ref|| in fp64; inf when x is not finite."""
-    x = x.double().to(ref.device)
-    if not bool(x.isfinite().all()):
-        return math.inf
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
 def measure(fn, s: Shape, opts, flush, copy_gbps: float) -> dict:
     """Median microseconds over --repeats with L2 flushed before each, and what follows from them.
     CUDA-graph replays (fn has run eagerly once: its lazy work is done) unless --eager or capture
     fails (then eager calls, said in timing_note). The flush queued ahead keeps the GPU busy while
     the CPU launches, so launch latency does not enter the times."""
-    import torch
-
-    graph, timing, note = None, "eager", None
-    if not opts.eager:
-        try:
-            graph, timing = torch.cuda.CUDAGraph(), "graph"
-            with torch.cuda.graph(graph):
-                fn()
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager timing
-            graph, timing, note = None, "eager", f"graph capture failed ({_error(e)}); timed eager calls"
-    run = graph.replay if graph is not None else fn
-    for _ in range(opts.warmup):
-        run()
-    us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
-    med = statistics.median(us)
+    res = time_calls(fn, opts, flush)
+    med = res["us"]
     gbps = bytes_moved(s) / (med * 1e3)
-    return {"us": med, "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note, "gbps": gbps,
-            "tflops": flops(s) / (med * 1e6), "copy_frac": gbps / copy_gbps if copy_gbps else None}
+    return dict(res, gbps=gbps, tflops=flops(s) / (med * 1e6), copy_frac=gbps / copy_gbps if copy_gbps else None)
 
 
 def hmoe_runner(inp, opts):
@@ -131,7 +110,7 @@ def hmoe_plan(inp, opts) -> str | None:
         return mla.plan(opts.device.index, B, H, inp.page_table.shape[1], inp.ckv.shape[1],
                         variant=opts.variant).describe()
     except Exception as e:  # noqa: BLE001 - the plan is a note; the timing already stands
-        return f"unknown ({_error(e)})"
+        return f"unknown ({error_text(e)})"
 
 
 def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
@@ -158,21 +137,6 @@ def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
     return fn, out
 
 
-def load_flashinfer():
-    """(module, None) or (None, why): any exception, as a flashinfer built for another torch fails otherwise."""
-    try:
-        import flashinfer
-        import flashinfer.mla  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return None, _error(e)
-    return flashinfer, None
-
-
-def _error(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
 def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progress) -> dict:
     """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
     import torch
@@ -183,74 +147,27 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progre
     progress(f"{s.name}: building a {s.B * s.S * (D_CKV + D_PE) * 2 / 1e9:.2f} GB paged cache")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     inp = make_inputs(s, opts.page_size, dtype, opts.device, opts.seed)
-    outs = {}
-    try:
-        progress(f"{s.name}: hmoe")
-        fn, out = hmoe_runner(inp, opts)
-        row["hmoe"], outs["hmoe"] = measure(fn, s, opts, flush, copy_gbps), out
+    outs = _gpu_bench.time_implementations(
+        row, s.name, progress, lambda: hmoe_runner(inp, opts),
+        lambda backend: flashinfer_runner(fi, backend, inp, opts.page_size, use_graph=not opts.eager),
+        BACKENDS if fi is not None else (), fi_skip, lambda fn: measure(fn, s, opts, flush, copy_gbps))
+    if "error" not in row["hmoe"]:
         row["hmoe"]["plan"] = hmoe_plan(inp, opts)
-    except Exception as e:  # noqa: BLE001 - reported in the table; flashinfer still runs
-        row["hmoe"] = {"error": _error(e)}
-    for backend in BACKENDS if fi is not None else ():
-        if backend in fi_skip:
-            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
-            continue
-        try:
-            progress(f"{s.name}: flashinfer {backend} (a backend's first use may JIT-compile for minutes)")
-            fn, out = flashinfer_runner(fi, backend, inp, opts.page_size, use_graph=not opts.eager)
-            res = measure(fn, s, opts, flush, copy_gbps)
-            if "us" in row["hmoe"]:
-                res["speedup"] = res["us"] / row["hmoe"]["us"]  # > 1: hmoe is faster
-            row["flashinfer"][backend], outs[backend] = res, out
-        except Exception as e:  # noqa: BLE001 - a flashinfer failure is a table cell, never a crash
-            row["flashinfer"][backend] = {"error": _error(e)}
     torch.cuda.synchronize()
     n, tol = min(CHECK_REQUESTS, s.B), TOLERANCE[opts.dtype]
     ref = reference(inp, n, SM_SCALE)
-
-    def check(what, err, tol, counts):  # counts False: says something about flashinfer, not hmoe
-        row["checks"].append({"what": what, "rel_err": err, "tol": tol, "ok": err <= tol, "counts": counts})
-        return err <= tol
-
-    ok = {impl: check(f"{impl} vs ref", rel_err(out[:n], ref), tol, impl == "hmoe") for impl, out in outs.items()}
-    for backend in (b for b in BACKENDS if b in outs and "hmoe" in outs):
-        # all B requests; two roundings of the same math differ by up to twice one's error. It
-        # counts against hmoe only where flashinfer itself matched the reference
-        check(f"hmoe vs {backend}", rel_err(outs["hmoe"], outs[backend].double()), 2 * tol, ok[backend])
-    row["failed"] = "error" in row["hmoe"] or any(c["counts"] and not c["ok"] for c in row["checks"])
-    del inp, outs, ref
+    _gpu_bench.check_outputs(row, outs, lambda out: rel_err(out[:n], ref), tol)
+    inp = outs = ref = None  # freed before empty_cache
     torch.cuda.empty_cache()
     return row
 
 
-def check_cell(row: dict) -> str:
-    if "error" in row["hmoe"]:
-        return "FAIL hmoe: " + row["hmoe"]["error"]
-    bad = [c for c in row["checks"] if c["counts"] and not c["ok"]]
-    if bad:
-        return "FAIL " + ", ".join(f"{c['what']} {c['rel_err']:.1e} > {c['tol']:.0e}" for c in bad)
-    good = ", ".join(f"{c['what'].replace('hmoe vs ', '')} {c['rel_err']:.1e}" for c in row["checks"] if c["counts"])
-    off = [c["what"] for c in row["checks"] if not c["counts"] and not c["ok"]]
-    return f"ok {good}" + (f" (flashinfer off: {', '.join(off)})" if off else "")
-
-
-def _fi(row: dict, backend: str, key: str) -> str:
-    res = row["flashinfer"].get(backend) or {}
-    if key == "speedup" or not res:
-        return f"{res['speedup']:.2f}x" if res.get("speedup") else "-"
-    return f"{res['us']:.1f}" if "us" in res else ("error" if "error" in res else "n/a")
-
-
-def _hm(key: str, fmt: str):
-    return lambda r: format(r["hmoe"][key], fmt) if r["hmoe"].get(key) is not None else "-"
-
-
 COLUMNS = [  # (title, width, cell)
     ("shape BxSxH", 13, lambda r: r["shape"]), ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
-    ("us(med)", 9, _hm("us", ".1f")), ("GB/s", 6, _hm("gbps", ".0f")), ("TFLOP/s", 7, _hm("tflops", ".1f")),
-    ("%copy", 6, _hm("copy_frac", ".1%")),
-    ("fa2 us", 9, lambda r: _fi(r, "fa2", "us")), ("x fa2", 6, lambda r: _fi(r, "fa2", "speedup")),
-    ("fa3 us", 9, lambda r: _fi(r, "fa3", "us")), ("x fa3", 6, lambda r: _fi(r, "fa3", "speedup")),
+    ("us(med)", 9, hm_cell("us", ".1f")), ("GB/s", 6, hm_cell("gbps", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".1f")),
+    ("%copy", 6, hm_cell("copy_frac", ".1%")),
+    ("fa2 us", 9, fi_cell("fa2", "us")), ("x fa2", 6, fi_cell("fa2", "speedup")),
+    ("fa3 us", 9, fi_cell("fa3", "us")), ("x fa3", 6, fi_cell("fa3", "speedup")),
     ("check", 0, check_cell),
 ]
 
@@ -260,12 +177,7 @@ def format_header() -> str:
 
 
 def format_row(row: dict) -> str:
-    """The table line, then an indented line per flashinfer error and per timing note (skips are
-    said once above the table, hmoe's error in its check cell)."""
-    lines = ["  ".join(f"{cell(row):<{w}}" for _, w, cell in COLUMNS).rstrip()]
-    for name, res in [("hmoe", row["hmoe"])] + list(row["flashinfer"].items()):
-        lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
-    return "\n".join(lines)
+    return _gpu_bench.format_row(row, COLUMNS)
 
 
 def plot_roofline(rows: list, copy_gbps: float, peak_tflops: float, path: str, title: str) -> None:
@@ -357,13 +269,13 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     opts.device = dev = torch.device("cuda", torch.cuda.current_device())  # pick one with CUDA_VISIBLE_DEVICES
     props = torch.cuda.get_device_properties(dev)
     cc = (props.major, props.minor)
-    fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer()
+    fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer("mla")
     fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != HOPPER else {}
     try:
         sel = _cuda.select("mla_decode", dev.index, opts.variant)
         selection = f"{sel.variant} ({sel.reason})"
     except Exception as e:  # noqa: BLE001 - the rows show the error too
-        selection = f"none: {_error(e)}"
+        selection = f"none: {error_text(e)}"
     progress("measuring copy bandwidth and bf16 matmul peak")
     copy = membw.gpu_copy_bandwidth(dev, (opts.copy_mib << 20) if opts.copy_mib else None)
     peak = membw.gpu_matmul_tflops(dev)

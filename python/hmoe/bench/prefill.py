@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
-import statistics
 import sys
 import types
 
 from hmoe import _reference
 from hmoe.backends.flashinfer import HOPPER
 from hmoe.bench import membw
+from hmoe.bench import _gpu_bench
+from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err, time_calls
 from hmoe.bench._report import progress, table_header
 
 # Named batches of sequences (queries = keys per request: a prompt's prefill): 16k tokens each.
@@ -92,36 +92,14 @@ def reference(inp, c: Case, heads):
                               heads=heads)[0]
 
 
-def rel_err(x, ref) -> float:
-    """Normwise relative error ||x - ref|| / ||ref|| in fp64; inf when x is not finite."""
-    x = x.double().to(ref.device)
-    if not bool(x.isfinite().all()):
-        return math.inf
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
 def measure(fn, c: Case, opts, flush, peak_tflops: float) -> dict:
     """Median microseconds over --repeats (L2 flushed before each) and what follows: TFLOP/s, the
     floor (FLOPs at the measured matmul rate) and the time over it. CUDA-graph replays unless
     --eager or capture fails (said in timing_note)."""
-    import torch
-
-    graph, timing, note = None, "eager", None
-    if not opts.eager:
-        try:
-            graph, timing = torch.cuda.CUDAGraph(), "graph"
-            with torch.cuda.graph(graph):
-                fn()
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager timing
-            graph, timing, note = None, "eager", f"graph capture failed ({_error(e)}); timed eager calls"
-    run = graph.replay if graph is not None else fn
-    for _ in range(opts.warmup):
-        run()
-    us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
-    med = statistics.median(us)
+    res = time_calls(fn, opts, flush)
+    med = res["us"]
     floor = flops(c) / (peak_tflops * 1e6)
-    return {"us": med, "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note,
-            "tflops": flops(c) / (med * 1e6), "floor_us": floor, "x_floor": med / floor}
+    return dict(res, tflops=flops(c) / (med * 1e6), floor_us=floor, x_floor=med / floor)
 
 
 def hmoe_runner(inp, c: Case, opts):
@@ -141,7 +119,7 @@ def hmoe_plan(inp, c: Case, opts) -> str | None:
         return prefill.plan(opts.device.index, inp.q.shape[0], len(c.lens), c.H, c.Hkv, c.dqk, c.dv,
                             variant=opts.variant).describe()
     except Exception as e:  # noqa: BLE001 - the plan is a note; the timing already stands
-        return f"unknown ({_error(e)})"
+        return f"unknown ({error_text(e)})"
 
 
 def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
@@ -163,21 +141,6 @@ def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
     return fn, out
 
 
-def load_flashinfer():
-    """(module, None) or (None, why): any exception, as a flashinfer built for another torch fails otherwise."""
-    try:
-        import flashinfer
-        import flashinfer.prefill  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return None, _error(e)
-    return flashinfer, None
-
-
-def _error(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
 def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progress) -> dict:
     """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
     import torch
@@ -187,75 +150,28 @@ def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progre
            "checks": []}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     inp = make_inputs(c, dtype, opts.device, opts.seed)
-    outs = {}
-    try:
-        progress(f"{c.label}: hmoe")
-        fn, out = hmoe_runner(inp, c, opts)
-        row["hmoe"], outs["hmoe"] = measure(fn, c, opts, flush, peak_tflops), out
+    outs = _gpu_bench.time_implementations(
+        row, c.label, progress, lambda: hmoe_runner(inp, c, opts),
+        lambda backend: flashinfer_runner(fi, backend, inp, c, use_graph=not opts.eager),
+        getattr(opts, "backend_list", BACKENDS) if fi is not None else (), fi_skip,
+        lambda fn: measure(fn, c, opts, flush, peak_tflops))
+    if "error" not in row["hmoe"]:
         row["hmoe"]["plan"] = hmoe_plan(inp, c, opts)
-    except Exception as e:  # noqa: BLE001 - reported in the table; flashinfer still runs
-        row["hmoe"] = {"error": _error(e)}
-    for backend in getattr(opts, "backend_list", BACKENDS) if fi is not None else ():
-        if backend in fi_skip:
-            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
-            continue
-        try:
-            progress(f"{c.label}: flashinfer {backend} (a backend's first use may JIT-compile for minutes)")
-            fn, out = flashinfer_runner(fi, backend, inp, c, use_graph=not opts.eager)
-            res = measure(fn, c, opts, flush, peak_tflops)
-            if "us" in row["hmoe"]:
-                res["speedup"] = res["us"] / row["hmoe"]["us"]  # > 1: hmoe is faster
-            row["flashinfer"][backend], outs[backend] = res, out
-        except Exception as e:  # noqa: BLE001 - a flashinfer failure is a table cell, never a crash
-            row["flashinfer"][backend] = {"error": _error(e)}
     torch.cuda.synchronize()
     heads, tol = check_heads(c.H), TOLERANCE[opts.dtype]
     ref = reference(inp, c, heads)
-
-    def check(what, err, tol, counts):  # counts False: says something about flashinfer, not hmoe
-        row["checks"].append({"what": what, "rel_err": err, "tol": tol, "ok": err <= tol, "counts": counts})
-        return err <= tol
-
-    ok = {impl: check(f"{impl} vs ref", rel_err(out[:, heads], ref), tol, impl == "hmoe") for impl, out in outs.items()}
-    for backend in (b for b in BACKENDS if b in outs and "hmoe" in outs):
-        # every head; two roundings of the same math differ by up to twice one's error. It counts
-        # against hmoe only where flashinfer itself matched the reference
-        check(f"hmoe vs {backend}", rel_err(outs["hmoe"], outs[backend].double()), 2 * tol, ok[backend])
-    row["failed"] = "error" in row["hmoe"] or any(ch["counts"] and not ch["ok"] for ch in row["checks"])
-    del inp, outs, ref
+    _gpu_bench.check_outputs(row, outs, lambda out: rel_err(out[:, heads], ref), tol)
+    inp = outs = ref = None  # freed before empty_cache
     torch.cuda.empty_cache()
     return row
 
 
-def check_cell(row: dict) -> str:
-    if "error" in row["hmoe"]:
-        return "FAIL hmoe: " + row["hmoe"]["error"]
-    bad = [ch for ch in row["checks"] if ch["counts"] and not ch["ok"]]
-    if bad:
-        return "FAIL " + ", ".join(f"{ch['what']} {ch['rel_err']:.1e} > {ch['tol']:.0e}" for ch in bad)
-    good = ", ".join(f"{ch['what'].replace('hmoe vs ', '')} {ch['rel_err']:.1e}" for ch in row["checks"]
-                     if ch["counts"])
-    off = [ch["what"] for ch in row["checks"] if not ch["counts"] and not ch["ok"]]
-    return f"ok {good}" + (f" (flashinfer off: {', '.join(off)})" if off else "")
-
-
-def _fi(row: dict, backend: str, key: str) -> str:
-    res = row["flashinfer"].get(backend) or {}
-    if key == "speedup" or not res:
-        return f"{res['speedup']:.2f}x" if res.get("speedup") else "-"
-    return f"{res['us']:.0f}" if "us" in res else ("error" if "error" in res else "n/a")
-
-
-def _hm(key: str, fmt: str):
-    return lambda r: format(r["hmoe"][key], fmt) if r["hmoe"].get(key) is not None else "-"
-
-
 COLUMNS = [  # (title, width, cell)
     ("case", 27, lambda r: r["case"]), ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
-    ("us(med)", 8, _hm("us", ".0f")), ("TFLOP/s", 7, _hm("tflops", ".0f")), ("floor us", 8, _hm("floor_us", ".0f")),
-    ("x floor", 7, _hm("x_floor", ".2f")),
-    ("fa2 us", 7, lambda r: _fi(r, "fa2", "us")), ("x fa2", 6, lambda r: _fi(r, "fa2", "speedup")),
-    ("fa3 us", 7, lambda r: _fi(r, "fa3", "us")), ("x fa3", 6, lambda r: _fi(r, "fa3", "speedup")),
+    ("us(med)", 8, hm_cell("us", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".0f")), ("floor us", 8, hm_cell("floor_us", ".0f")),
+    ("x floor", 7, hm_cell("x_floor", ".2f")),
+    ("fa2 us", 7, fi_cell("fa2", "us", ".0f")), ("x fa2", 6, fi_cell("fa2", "speedup")),
+    ("fa3 us", 7, fi_cell("fa3", "us", ".0f")), ("x fa3", 6, fi_cell("fa3", "speedup")),
     ("check", 0, check_cell),
 ]
 
@@ -265,11 +181,7 @@ def format_header() -> str:
 
 
 def format_row(row: dict) -> str:
-    """The table line, then an indented line per flashinfer error and per timing note."""
-    lines = ["  ".join(f"{cell(row):<{w}}" for _, w, cell in COLUMNS).rstrip()]
-    for name, res in [("hmoe", row["hmoe"])] + list(row["flashinfer"].items()):
-        lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
-    return "\n".join(lines)
+    return _gpu_bench.format_row(row, COLUMNS)
 
 
 def parse_args(argv, prog):
@@ -337,13 +249,13 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
     opts.device = dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     cc = (props.major, props.minor)
-    fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer()
+    fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer("prefill")
     fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != HOPPER else {}
     try:
         sel = _cuda.select("ragged_prefill", dev.index, opts.variant)
         selection = f"{sel.variant} ({sel.reason})"
     except Exception as e:  # noqa: BLE001 - the rows show the error too
-        selection = f"none: {_error(e)}"
+        selection = f"none: {error_text(e)}"
     progress("measuring the bf16 matmul rate")
     peak = membw.gpu_matmul_tflops(dev)
     timing = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
