@@ -214,7 +214,15 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     void *dst13 = nullptr, *dst2 = nullptr;
     py::object p13 = packed_empty(E * b13, &dst13);
     py::object p2 = packed_empty(E * b2, &dst2);
-    const int64_t s13 = a.scales.numel / E, s2 = b.scales.numel / E, d13 = a.data.numel / E, d2 = b.data.numel / E;
+    // Expert e's matrix of a QuantArg (its data and scales are [E, ...]).
+    auto matrix = [](const QuantArg& q, int64_t e, int64_t rows, int64_t cols) {
+      return hmoe::QuantMatrix{static_cast<const char*>(q.data.data) + e * (q.data.numel / q.E),
+                               q.kd,
+                               static_cast<const float*>(q.scales.data) + e * (q.scales.numel / q.E),
+                               rows,
+                               cols,
+                               q.scales.shape[2]};
+    };
     std::string error;
     std::mutex mu;
     {
@@ -222,23 +230,12 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
       hmoe::ThreadPool::instance().parallel_for(2 * E, num_threads, [&](int64_t t, int) {
         const int64_t e = t / 2;
         try {
-          if (t % 2 == 0) {
-            const hmoe::QuantMatrix m13{static_cast<const char*>(a.data.data) + e * d13,
-                                        H,
-                                        static_cast<const float*>(a.scales.data) + e * s13,
-                                        scale_rows13,
-                                        scale_cols13,
-                                        a.scales.shape[2]};
-            hmoe::pack_quant_w13(w_format, m13, I, group13, static_cast<char*>(dst13) + e * b13);
-          } else {
-            const hmoe::QuantMatrix m2{static_cast<const char*>(b.data.data) + e * d2,
-                                       I,
-                                       static_cast<const float*>(b.scales.data) + e * s2,
-                                       scale_rows2,
-                                       scale_cols2,
-                                       b.scales.shape[2]};
-            hmoe::pack_quant_w2(w_format, m2, H, group2, static_cast<char*>(dst2) + e * b2);
-          }
+          if (t % 2 == 0)
+            hmoe::pack_quant_w13(w_format, matrix(a, e, scale_rows13, scale_cols13), I, group13,
+                                 static_cast<char*>(dst13) + e * b13);
+          else
+            hmoe::pack_quant_w2(w_format, matrix(b, e, scale_rows2, scale_cols2), H, group2,
+                                static_cast<char*>(dst2) + e * b2);
         } catch (const std::exception& ex) {  // an error in a worker thread: reported once, after all
           std::lock_guard<std::mutex> lock(mu);
           if (error.empty()) error = std::string(ex.what()) + " (expert " + std::to_string(e) + ")";
