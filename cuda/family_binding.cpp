@@ -86,6 +86,10 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
                                                              hb::bool_arg(allow_tma, "allow_tma"));
     return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes);
   });
+  HMOE_DEF(m, mla_decode_declines, {
+    const char* why = hmoe::mla_decode_declines(heads, page_size);
+    return py::str(why == nullptr ? "" : why);
+  });
 #endif
 #if HMOE_HAS_ragged_prefill
   HMOE_DEF(m, ragged_prefill_check, { hb::ragged_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, out); });

@@ -20,6 +20,10 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
 // CUDA error.
 void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream);
 
+// Why this family does not serve calls of this shape (the dispatcher then runs them on the portable
+// family and says why), or nullptr when it serves them. Shapes only: the answer never changes.
+const char* mla_decode_declines(int heads, int page_size);
+
 // Sets the shared-memory attributes of every configuration on `device` (lazy work that must
 // not happen inside CUDA-graph capture).
 void mla_decode_prewarm(int device);

@@ -25,9 +25,11 @@
 #include "attention/softmax.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.h"
+#include "common/tma_host.h"
 #include "mla/mla_combine.h"
 #include "mla/mla_decode.h"
 #include "mla/mla_kv_ring.cuh"
+#include "mla/mla_splits.h"
 
 namespace hmoe {
 namespace {
@@ -426,39 +428,10 @@ void with_config(int c, int loader, F&& f) {
     pick(std::integral_constant<int, 1>{});
 }
 
-// cuTensorMapEncodeTiled, from the driver through the runtime (hmoe links no libcuda): resolved
-// once, by prewarm or the first eager call.
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
-          "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-    if (found != cudaDriverEntryPointSuccess || f == nullptr)
-      throw std::runtime_error(
-          "mla_decode: the driver has no cuTensorMapEncodeTiled (set HMOE_MLA_TMA=0 to use cp.async)");
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
 // The TMA's view of the cache (see KvTensorMaps): `cols` 16-bit columns of num_pages * page_size
 // rows, boxes of `box_cols` x kTile.
 CUtensorMap tensor_map(const void* base, int64_t rows, int cols, int box_cols, CUtensorMapSwizzle swizzle) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(kTile)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides,
-                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("mla_decode: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ")");
-  return map;
+  return tensor_map_2d(base, rows, cols, box_cols, kTile, swizzle, "mla_decode");
 }
 
 // The loader for a configuration: the TMA on sm_90+ when tiles lie in one page and a CTA has 32
@@ -508,17 +481,12 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   plan.smem_bytes = config_bytes(plan.config);
   const int ctas = batch * ((heads + plan.heads_per_cta - 1) / plan.heads_per_cta);
   const int slots = sms * std::max(1, smem_sm / (plan.smem_bytes + 1024));  // CTAs resident at once
-  const int max_tiles = std::max(1, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
-  const int max_splits = std::max(1, std::min(kMlaMaxSplits, max_tiles / 2));
-  // As many splits as one wave of CTAs holds (a grid that already fills the slots is not split),
-  // then the fewest splits with the same tiles per CTA: every split costs a partial write and its
-  // share of the combine pass. (1 x 32768 x 128: 64 splits of 16 tiles ran 54.0 us where the
-  // earlier rule's 60 splits, 18 tiles in the longest, ran 57.9: docs/perf/mla_decode.md.)
-  const int fit = std::clamp(slots / std::max(1, ctas), 1, max_splits);
-  const int per = (max_tiles + fit - 1) / fit;
-  plan.num_splits = (max_tiles + per - 1) / per;
+  const int max_tiles = int((int64_t(max_pages) * page_size + kTile - 1) / kTile);
+  plan.num_splits = mla_num_splits(slots, ctas, max_tiles);
   return plan;
 }
+
+const char* mla_decode_declines(int, int) { return nullptr; }  // every shape, any page size
 
 void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");
@@ -535,7 +503,7 @@ void mla_decode_prewarm(int device) {
   }
   const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
   for (int c = 0; c < kNumConfigs; ++c)
-    if (choose_loader(cc_major, c, kTile, true) == kLoadTma) encode_tiled();
+    if (choose_loader(cc_major, c, kTile, true) == kLoadTma) encode_tiled("mla_decode");
   mla_combine_prewarm();
 }
 

@@ -43,6 +43,7 @@
 #define HMOE_ARGS_mla_decode HMOE_ARGS_mla_decode_check, (bool, return_lse), (i32, config), (bool, allow_tma)
 #define HMOE_ARGS_mla_decode_plan \
   (i32, device), (i32, batch), (i32, heads), (i32, max_pages), (i32, page_size), (i32, config), (bool, allow_tma)
+#define HMOE_ARGS_mla_decode_declines (i32, heads), (i32, page_size)
 #define HMOE_ARGS_ragged_prefill_check                                                                                \
   (tensor, q), (tensor, k), (tensor, v), (tensor, qo_indptr), (tensor, kv_indptr), (float, sm_scale), (bool, causal), \
       (tensor_or_none, out)
@@ -79,6 +80,7 @@
   X(cuda, mla_decode, mla_decode, "out | (out, lse)", HMOE_ARGS_mla_decode)                                    \
   X(cuda, mla_decode, mla_decode_plan, "(num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes)", \
     HMOE_ARGS_mla_decode_plan)                                                                                 \
+  X(cuda, mla_decode, mla_decode_declines, "str", HMOE_ARGS_mla_decode_declines)                               \
   X(cuda, ragged_prefill, ragged_prefill_check, "None", HMOE_ARGS_ragged_prefill_check)                        \
   X(cuda, ragged_prefill, ragged_prefill, "out | (out, lse)", HMOE_ARGS_ragged_prefill)                        \
   X(cuda, ragged_prefill, ragged_prefill_plan,                                                                 \

@@ -1,0 +1,51 @@
+// Host side of the TMA: tensor maps for 2-d tensors of 16-bit elements, encoded through the driver's
+// cuTensorMapEncodeTiled reached through the runtime (hmoe links no libcuda), resolved once.
+#pragma once
+#include <cuda.h>  // CUtensorMap and the encode function's types (no driver symbol is linked)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda_util.h"
+
+namespace hmoe {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled; `op` names the caller in errors. Call it once outside graph
+// capture (prewarm) before the first launch that needs it.
+inline EncodeTiled encode_tiled(const char* op) {
+  static const EncodeTiled fn = [op] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found), op,
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (found != cudaDriverEntryPointSuccess || f == nullptr)
+      throw std::runtime_error(std::string(op) + ": the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A [rows, cols] row-major tensor of 16-bit elements at `base`, read in boxes of box_cols x box_rows.
+inline CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
+                                 CUtensorMapSwizzle swizzle, const char* op) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled(op)(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides,
+                                      box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error(std::string(op) + ": cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) +
+                             ")");
+  return map;
+}
+
+}  // namespace hmoe
