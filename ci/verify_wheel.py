@@ -321,6 +321,10 @@ def check_cuda(rep: Report, man: dict, gpu_json: dict, modules: dict[str, Path],
                     else "every arch/gpu.json target")
         s, p = per_module.setdefault(e["module"], (set(), set()))
         s.update(e["sass"]), p.update(e["ptx"])
+    built = {(e["op"], e["family"]) for e in kernels.values()}
+    for family, spec in sorted(gpu_json.get("kernel_families", {}).items()):
+        for op in sorted(set(spec.get("ops", {})) - {o for o, f in built if f == family}):
+            rep.add(False, "cuda vs gpu.json", f"{op}/{family}", "an op of arch/gpu.json's family, not in the wheel")
     for mod, (want_sass, want_ptx) in sorted(per_module.items()):
         short = mod.rsplit(".", 1)[-1]
         if mod not in modules:

@@ -224,7 +224,7 @@ def test_a_family_table_holds_its_ops(monkeypatch):
     fams = {"fam_a": {"ops": ["mla_decode"]}, "fam_b": {"ops": ["grouped_topk"]}}
     monkeypatch.setattr(_build_info, "_manifest", lambda: {"cuda_families": fams})
     a, b = _native.expected_table("fam_a"), _native.expected_table("fam_b")
-    assert {"prewarm", "mla_decode", "mla_decode_plan", "mla_decode_check"} == set(a)
+    assert {"prewarm", "mla_decode", "mla_decode_plan", "mla_decode_check", "mla_decode_declines"} == set(a)
     assert {"prewarm", "grouped_topk"} == set(b)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 def prewarm(device=None) -> None:
     """Loads the CPU experts module this machine selects and, for a CUDA device (default: the
-    current one when CUDA is available), loads hmoe's CUDA module on it and sets its kernels'
-    shared-memory limits. Safe to call many times; a call inside graph capture is refused by
-    the ops themselves, so call this before capturing. `device`: None, an int ordinal, a
-    string like "cuda:1" or "cpu", or a torch.device."""
+    current one when CUDA is available), loads hmoe's CUDA modules on it (for mla_decode the
+    selected family's and the portable one, which runs the shapes the other declines) and sets
+    their kernels' shared-memory limits. Safe to call many times; a call inside graph capture is
+    refused by the ops themselves, so call this before capturing. `device`: None, an int ordinal,
+    a string like "cuda:1" or "cpu", or a torch.device."""
     from . import _native
     from .ops import experts as _experts
 
@@ -29,11 +30,13 @@ def prewarm(device=None) -> None:
         return
     if device.type != "cuda":
         raise ValueError(f"prewarm: unsupported device {device}")
-    from .ops import _cuda
+    from .ops import _cuda, mla
 
     index = _cuda.device_index(torch, device)
     for op in ("grouped_topk", "mla_decode", "ragged_prefill", "paged_prefill"):
         _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
+    # mla_decode runs the shapes its selected family declines on the fallback family (mla.route)
+    _cuda.prewarm(index, _cuda.select("mla_decode", index, mla.FALLBACK, own=True).module)
     sel = _cuda.select("mla_decode", index)
     if sel.backend:  # e.g. flashinfer: its JIT build and self-check, outside any graph capture
         from . import backends

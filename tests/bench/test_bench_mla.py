@@ -122,6 +122,7 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None, **opts):
 
     monkeypatch.setattr(bench, "measure", measure)
     monkeypatch.setattr(bench, "hmoe_runner", hmoe_runner)
+    monkeypatch.setattr(bench, "hmoe_route", lambda inp, opts: ("portable", "1 KV split(s), ..."))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     fi = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper))
@@ -147,7 +148,8 @@ def test_run_shape_checks_against_reference_and_flashinfer(monkeypatch):
     assert all(c["ok"] for c in row["checks"]) and whats["hmoe vs ref"]["rel_err"] < 1e-2
     assert row["flashinfer"]["fa2"]["speedup"] == 1.5 and row["flashinfer"]["fa3"]["speedup"] == 1.2
     line = bench.format_row(row)
-    assert line.startswith("3x70x4") and "1.50x" in line and "1.20x" in line and " ok ref " in line
+    assert line.split()[:2] == ["3x70x4", "portable"] and "1.50x" in line and "1.20x" in line and " ok ref " in line
+    assert (row["hmoe"]["variant"], row["hmoe"]["plan"]) == ("portable", "1 KV split(s), ...")
     assert row["intensity"] == bench.flops(bench.Shape(3, 70, 4)) / bench.bytes_moved(bench.Shape(3, 70, 4))
 
 
@@ -189,13 +191,13 @@ def test_table_formatting_is_fixed_width():
     head = bench.format_header().splitlines()
     assert head[0].startswith("shape BxSxH") and set(head[1]) == {"-"} and len(head[1]) == len(head[0])
     row = {"shape": "64x4096x16", "hmoe": {"us": 123.456, "gbps": 2475.3, "tflops": 68.2, "copy_frac": 0.853,
-                                           "timing": "graph", "timing_note": None},
+                                           "timing": "graph", "timing_note": None, "variant": "sm90a"},
            "flashinfer": {"fa2": {"us": 200.0, "speedup": 1.62}, "fa3": {"error": "x"}},
            "checks": [{"what": "hmoe vs ref", "rel_err": 3e-3, "tol": 1.2e-2, "ok": True, "counts": True}]}
     line = bench.format_row(row).splitlines()[0]
-    cols = [head[0].index(t) for t in ("us(med)", "GB/s", "%copy", "fa2 us", "x fa2", "fa3 us", "check")]
-    assert [line[c:].split()[0] for c in cols] == ["123.5", "2475", "85.3%", "200.0", "1.62x", "error", "ok"]
-    assert bench.format_row(dict(row, hmoe={"error": "E"}, flashinfer={})).split()[1:3] == ["-", "-"]
+    cols = [head[0].index(t) for t in ("variant", "us(med)", "GB/s", "%copy", "fa2 us", "x fa2", "fa3 us", "check")]
+    assert [line[c:].split()[0] for c in cols] == ["sm90a", "123.5", "2475", "85.3%", "200.0", "1.62x", "error", "ok"]
+    assert bench.format_row(dict(row, hmoe={"error": "E"}, flashinfer={})).split()[1:4] == ["-", "-", "-"]
 
 
 def test_roofline_plot(tmp_path):
@@ -238,4 +240,10 @@ def test_tiny_end_to_end(tmp_path, capsys, mode):
         for backend, res in r["flashinfer"].items():  # where flashinfer ran, the bench fed it the same cache
             assert "us" not in res or any(c["what"] == f"{backend} vs ref" and c["ok"] for c in r["checks"]), r
     assert "3x200x5" in out and "all hmoe outputs check out" in out
-    assert data["meta"]["hmoe_variant"].startswith("portable") and "hmoe variant: portable (" in out  # dispatch
+    from hmoe.ops import _cuda, mla
+
+    idx = torch.cuda.current_device()
+    chosen = _cuda.select("mla_decode", idx).variant  # the device's (sm90a on 9.0), said in the header
+    assert data["meta"]["hmoe_variant"].startswith(f"{chosen} (") and f"hmoe variant: {chosen} (" in out
+    for r in data["results"]:  # and the variant that ran each shape: the route's (portable for few heads)
+        assert r["hmoe"]["variant"] == mla.route(idx, r["H"], 64).variant and r["hmoe"]["plan"], r["hmoe"]

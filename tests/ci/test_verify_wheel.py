@@ -305,3 +305,67 @@ def test_isa_rules_follow_cpu_json_level_order():
     assert rules["generic"]["avx"] == "avx2" and rules["generic"]["amx"] == "amx"
     assert "avx" not in rules["avx2"] and rules["avx2"]["avx512"] == "avx512"
     assert set(rules["avx512"]) == {"avx512_bf16", "amx"} and set(rules["avx512_bf16"]) == {"amx"}
+
+
+def tiny_elf(sections: dict) -> bytes:
+    """A 64-bit little-endian x86-64 ELF file that holds only these sections: what Elf reads."""
+    strtab = b"\0" + b"".join(n.encode() + b"\0" for n in [".shstrtab", *sections])
+    data, heads = b"", [bytes(64)]
+    for i, (name, blob) in enumerate([(".shstrtab", strtab), *sections.items()]):
+        name_at = strtab.index(b"\0" + name.encode() + b"\0") + 1
+        heads.append(struct.pack("<IIQQQQIIQQ", name_at, 3 if i == 0 else 1, 0, 0, 64 + len(data), len(blob),
+                                 0, 0, 1, 0))
+        data += blob
+    head = b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, 64 + len(data), 0, 64,
+                                                           0, 0, 64, len(heads), 1)
+    return head + data + b"".join(heads)
+
+
+def family_modules(tmp_path, gpu: dict, sass_flags=None) -> tuple[dict, dict]:
+    """(manifest, modules) of a build of every family and op of `gpu` (arch/gpu.json) as CMake would
+    write them, each family's module a tiny ELF whose fatbin holds exactly its targets; sass_flags
+    (family -> flags) replaces the entry flags of a family's SASS (0x100000 marks an "a" target)."""
+    man = {"cuda_version": "13.0.88", "cuda_runtime": "static", "cuda_kernels": {}}
+    modules = {}
+    for family, spec in gpu["kernel_families"].items():
+        sass, ptx = vw.expected_gpu(gpu, family)
+        module = f"hmoe._native.{family}"
+        for op in spec["ops"]:
+            man["cuda_kernels"][f"{op}/{family}"] = {"op": op, "family": family, "module": module,
+                                                     "sass": sorted(sass), "ptx": sorted(ptx)}
+        flags = lambda t: (sass_flags or {}).get(family, 0x100000 if t.endswith("a") else 0)  # noqa: E731
+        entries = [(2, int(t.rstrip("af")), flags(t), b"sass") for t in sorted(sass)] + \
+            [(1, int(t), 0x8000, b"ptx") for t in sorted(ptx)]
+        path = tmp_path / f"{family}.so"
+        path.write_bytes(tiny_elf({".nv_fatbin": fatbin(*entries)}))
+        modules[module] = path
+    return man, modules
+
+
+def test_sm90a_family_is_checked_against_gpu_json(tmp_path):
+    # arch/gpu.json's arch-specific family (sm90a: sm_90a SASS alone, no PTX) against its module's fatbin.
+    from hmoe import _arch  # the installed package's arch/gpu.json
+
+    gpu = _arch.load("gpu")
+    assert vw.expected_gpu(gpu, "sm90a") == ({"90a"}, set())
+    if not gpu["kernel_families"]["sm90a"]["ops"]:
+        pytest.skip("the sm90a family has no ops in this arch/gpu.json")
+    man, modules = family_modules(tmp_path, gpu)
+    rep = vw.Report()
+    vw.check_cuda(rep, man, gpu, modules, cpu_only=False, arch_override=False)
+    assert rep.failed == 0, rep.rows
+    assert any(r[1] == "fatbin" and r[2] == "sm90a" and "exact CC only: ['90a']" in r[3] for r in rep.rows)
+    # The same module with plain sm_90 SASS (an sm90a build without the "a"): a different target.
+    man, modules = family_modules(tmp_path, gpu, sass_flags={"sm90a": 0})
+    rep = vw.Report()
+    vw.check_cuda(rep, man, gpu, modules, cpu_only=False, arch_override=False)
+    assert fails(rep, "fatbin", "sm90a", "missing sm_90a") and fails(rep, "fatbin", "sm90a", "unexpected sm_90")
+    # A wheel whose build left the family out (manifest and module): arch/gpu.json still promises it.
+    man, modules = family_modules(tmp_path, gpu)
+    man["cuda_kernels"] = {k: e for k, e in man["cuda_kernels"].items() if e["family"] != "sm90a"}
+    del modules["hmoe._native.sm90a"]
+    rep = vw.Report()
+    vw.check_cuda(rep, man, gpu, modules, cpu_only=False, arch_override=False)
+    lost = [f"{op}/sm90a" for op in gpu["kernel_families"]["sm90a"]["ops"]]
+    assert [r[2] for r in rep.rows if r[0] == "FAIL"] == lost
+    assert fails(rep, "cuda vs gpu.json", lost[0], "not in the wheel")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import hmoe
-from hmoe import compat
+from hmoe import _build_info, compat
 from hmoe.compat import probes
 from hmoe.hardware import gpu
 
@@ -140,11 +140,15 @@ def test_mla_plans(tmp_path):
     assert minischema.errors(rep, SCHEMA) == []
     shapes = {r["shape"] for r in rep["plans"]}
     assert shapes == {"1x32768x128 page 64", "64x4096x16 page 32"}
-    if gpu.detect(refresh=True).visible:
-        assert all(r["plan"] and "KV split" in r["plan"] for r in rep["plans"]), rep["plans"]
+    if gpu.detect(refresh=True).visible:  # the variant that runs each shape (mla.route), and its plan
+        assert all(r["plan"] and "KV split" in r["plan"] and r["variant"] and r["reason"] for r in rep["plans"]), \
+            rep["plans"]
     else:
         assert all(r["plan"] is None and r["error"] for r in rep["plans"])
     sim = json.loads(cli("--json", "--simulate-gpu", "9.0", "--mla-shape", "2x4096x16", cwd=tmp_path).stdout)
-    assert sim["plans"][0]["error"].startswith("plans need the real GPU")
+    assert sim["plans"] and all(r["error"].startswith("plans need the real GPU") for r in sim["plans"])
+    if "sm90a" in _build_info.cuda_kernels_for("mla_decode"):  # 16 heads: sm90a declines, portable runs it
+        (r,) = sim["plans"]
+        assert r["variant"] == "portable" and r["reason"].startswith("fallback: sm90a declines 16 heads"), r
     bad = cli("--mla-shape", "1x2", cwd=tmp_path)
     assert bad.returncode == 2 and "not a shape" in bad.stderr

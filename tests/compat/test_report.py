@@ -12,7 +12,7 @@ import pytest
 import hmoe
 from hmoe import _native, compat
 from hmoe._native import spec
-from hmoe.compat import render
+from hmoe.compat import probes, render
 
 from ..hardware import fake_nvml as F
 from . import minischema
@@ -322,3 +322,74 @@ def test_colour_only_when_asked(env):
     buf = io.StringIO()
     compat.check(["check", "--color", "always"], stdout=buf)
     assert "\033[" in buf.getvalue()
+
+
+def _two_mla_families(monkeypatch):
+    """A manifest whose mla_decode has both families (portable, sm90a) and fake modules for them:
+    sm90a declines 32 heads or fewer, as the real one does."""
+    from hmoe import _build_info
+
+    R = importlib.import_module("hmoe.compat.report")
+    man = dict(MANIFEST, cuda_version="13.0.88", cuda_families={
+        "portable": {"module": "hmoe._native.portable", "ops": ["mla_decode"], "sass": ["80", "89", "90"], "ptx": ["90"]},
+        "sm90a": {"module": "hmoe._native.sm90a", "ops": ["mla_decode"], "sass": ["90a"], "ptx": []}})
+    man["cuda_kernels"] = {f"mla_decode/{f}": dict(e, op="mla_decode", family=f) for f, e in man["cuda_families"].items()}
+    monkeypatch.setattr(_build_info, "_manifest", lambda: man)
+    for name in ("portable", "sm90a"):
+        m = types.ModuleType(f"hmoe._native.{name}")
+        m.abi_version = lambda: spec.constants()["abi_version"]
+        m.signatures = lambda name=name: _native.expected_table(name)
+        m.constants = spec.constants
+        m.mla_decode_declines = (lambda h, p: "") if name == "portable" else \
+            (lambda h, p: "few heads are memory-bound" if h <= 32 else "")
+        monkeypatch.setitem(sys.modules, f"hmoe._native.{name}", m)
+    real = R._file
+    monkeypatch.setattr(R, "_file", lambda m: f"/fake/{m}.so" if m in ("portable", "sm90a") else real(m))
+    monkeypatch.setattr(probes, "ModuleProbe", type("NoChild", (), {
+        "__init__": lambda self, name: setattr(self, "name", name), "crashed": lambda self: None}))
+
+
+def test_both_mla_families_per_device_and_shape(env, monkeypatch):
+    _two_mla_families(monkeypatch)
+    rep, text = run(simulate_gpu=["9.0", "8.6"], mla_shapes=[(64, 4096, 16, 64), (64, 4096, 128, 64)])
+    h, a = [r for r in rep["selections"] if r["op"] == "mla_decode"]
+    assert (h["variant"], h["target"], h["reason"]) == ("sm90a", "sm_90a", "native: sm_90a SASS")
+    assert h["alternatives"] == [{"variant": "portable", "target": "sm_90", "ok": True, "reason":
+                                  "native: sm_90 SASS; runs the shapes sm90a declines (--mla-shape shows which)"}]
+    assert (a["variant"], a["reason"]) == ("portable", "fallback: sm_80 SASS on 8.6 (same major)")
+    assert a["alternatives"] == [{"variant": "sm90a", "target": None, "ok": False,
+                                  "reason": "unsupported: built for sm_90a SASS; none runs on 8.6"}]
+    assert "sm90a (sm_90a): native: sm_90a SASS [simulated]" in text
+    assert "  also portable (sm_90): native: sm_90 SASS; runs the shapes sm90a declines" in text
+    assert "  also sm90a: unsupported: built for sm_90a SASS; none runs on 8.6" in text
+    runs = {(p["device"][:6], p["shape"]): (p["variant"], p["reason"]) for p in rep["plans"]}
+    assert runs == {
+        ("cuda:0", "64x4096x16 page 64"): ("portable", "fallback: sm90a declines 16 heads, page size 64: "
+                                                       "few heads are memory-bound"),
+        ("cuda:0", "64x4096x128 page 64"): ("sm90a", "native: sm_90a SASS"),
+        ("cuda:1", "64x4096x16 page 64"): ("portable", "fallback: sm_80 SASS on 8.6 (same major)"),
+        ("cuda:1", "64x4096x128 page 64"): ("portable", "fallback: sm_80 SASS on 8.6 (same major)")}
+    assert all(p["plan"] is None and p["error"].startswith("plans need the real GPU") for p in rep["plans"])
+    assert ("cuda:0 (simulated GPU, 9.0)  64x4096x16 page 64: portable (fallback: sm90a declines 16 heads, "
+            "page size 64: few heads are memory-bound): no plan: plans need the real GPU") in text
+    monkeypatch.setattr(sys.modules["hmoe._native.sm90a"], "mla_decode_declines", lambda h, p: 1 / 0)
+    rep, text = run(simulate_gpu=["9.0"], mla_shapes=[(1, 64, 128, 64)])
+    (p,) = rep["plans"]
+    assert p["variant"] is None and p["reason"].startswith("unknown: hmoe._native.sm90a cannot say (ZeroDivisionError")
+    assert "1x64x128 page 64: unknown: hmoe._native.sm90a cannot say" in text
+
+
+def test_plans_from_the_gpu_child_name_the_variant(env, monkeypatch):
+    # What the torch child reports on a real GPU (probes._CHILD): the route and the plan per shape.
+    _two_mla_families(monkeypatch)
+    plans = [{"device": "cuda:0", "shape": "64x4096x16 page 64", "variant": "portable",
+              "reason": "fallback: sm90a declines 16 heads, page size 64: few heads", "plan": "1 KV split(s), ...",
+              "error": None},
+             {"device": "cuda:0", "shape": "1x2x3 page 64", "variant": None, "reason": None, "plan": None,
+              "error": "ValueError: bad"}]
+    monkeypatch.setitem(probes.PythonProbe.answer, "plans", plans)  # PythonProbe is conftest's FakeProbe
+    rep, text = run(mla_shapes=[(64, 4096, 16, 64), (1, 2, 3, 64)])
+    assert rep["plans"] == plans
+    assert ("cuda:0  64x4096x16 page 64: portable (fallback: sm90a declines 16 heads, page size 64: few heads): "
+            "1 KV split(s), ...") in text
+    assert "cuda:0  1x2x3 page 64: no plan: ValueError: bad" in text

@@ -1,4 +1,7 @@
-"""mla_decode on the GPU against an fp32 reference from the gathered pages."""
+"""mla_decode on the GPU against an fp32 reference from the gathered pages, each test once per variant
+(family) forced with variant=: portable, and sm90a on compute capability 9.0. A shape the sm90a family
+declines (mla.route) is checked there as the user meets it: the forced call is a ValueError, the
+unforced one runs on portable and gives the right result."""
 import os
 import subprocess
 import sys
@@ -7,7 +10,8 @@ import pytest
 import torch
 
 import hmoe
-from hmoe.ops import mla as mla_mod
+from hmoe import _build_info
+from hmoe.ops import _cuda, mla as mla_mod
 
 from .mla_reference import TOL, make_cache, mla_reference, rel_err
 
@@ -19,10 +23,48 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def run_and_check(B, H, lens, page, dtype, seed, **kw):
+@pytest.fixture(params=["portable", "sm90a"])
+def variant(request):
+    """The family a test forces: portable on every GPU; sm90a on compute capability 9.0 with a build
+    that has it."""
+    if request.param == "sm90a":
+        cc = torch.cuda.get_device_capability()
+        if cc != (9, 0):
+            pytest.skip(f"the sm90a family runs on compute capability 9.0 only; this GPU is {cc[0]}.{cc[1]}")
+        if "sm90a" not in _build_info.cuda_kernels_for("mla_decode"):
+            pytest.skip("this build has no sm90a mla_decode module")
+    return request.param
+
+
+def serves(variant, index, H, page):
+    """Whether `variant`'s family serves mla_decode calls of H heads and this page size (mla.route)."""
+    return not mla_mod.declines(_cuda.select("mla_decode", index, variant), H, page)
+
+
+def variant_for(variant, args):
+    """variant= for mla_decode calls on args (q_nope, q_pe, ckv, kpe, page_table, seq_lens): `variant`
+    where its family serves the shape; else None (hmoe's choice), after checking that forcing it
+    (mla_decode and plan) is a ValueError that names the portable variant and that hmoe's choice is
+    the portable family."""
+    q_nope, ckv, pt = args[0], args[2], args[4]
+    index, B, H, page = q_nope.get_device(), q_nope.shape[0], q_nope.shape[1], ckv.shape[1]
+    if serves(variant, index, H, page):
+        return variant
+    refused = rf"'{variant}' does not serve {H} heads with page size {page} .*the 'portable' variant serves"
+    with pytest.raises(ValueError, match=refused):
+        hmoe.ops.mla_decode(*args[:6], sm_scale=SCALE, variant=variant)
+    with pytest.raises(ValueError, match=refused):
+        mla_mod.plan(index, B, H, pt.shape[1], page, variant=variant)
+    routed = mla_mod.route(index, H, page)
+    assert routed.variant == "portable" and routed.reason.startswith(f"fallback: {variant} declines {H} heads")
+    return None
+
+
+def run_and_check(B, H, lens, page, dtype, seed, variant, **kw):
     args = make_cache(B, H, lens, page, dtype, "cuda", gen(seed))
     out = torch.full((B, H, 512), float("nan"), dtype=dtype, device="cuda")  # poisoned
-    got, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, out=out, **kw)
+    got, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, out=out,
+                                   variant=variant_for(variant, args), **kw)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype and lse.dtype == torch.float32
     ref_o, ref_lse = mla_reference(*args, SCALE)
@@ -35,38 +77,52 @@ def run_and_check(B, H, lens, page, dtype, seed, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", [1, 3, 16, 17, 33, 64, 128])
-def test_heads_and_lengths(dtype, H):
-    lens = [0, 1, 63, 64, 65, 700, 2, 129]
-    run_and_check(len(lens), H, lens, 64, dtype, seed=H)
+def test_which_shapes_each_variant_serves(variant):
+    idx = torch.cuda.current_device()
+    shapes = [(H, page) for H in (1, 16, 32, 33, 64, 128) for page in (1, 8, 16, 24, 32, 64, 128)]
+    declined = {(H, page) for H, page in shapes if not serves(variant, idx, H, page)}
+    if variant == "portable":  # every shape
+        assert declined == set()
+    else:  # 32 heads or fewer, and page sizes that are not a multiple of 16
+        assert declined == {(H, page) for H, page in shapes if H <= 32 or page % 16}
+        assert mla_mod.route(idx, 128, 64).variant == mla_mod.route(idx, 33, 16).variant == "sm90a"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 32, 64, 128])
-def test_page_sizes(page):
-    run_and_check(5, 16, [1, 100, 257, 0, 511], page, torch.bfloat16, seed=page)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [1, 3, 16, 17, 33, 64, 128])
+def test_heads_and_lengths(dtype, H, variant):
+    lens = [0, 1, 63, 64, 65, 700, 2, 129]
+    run_and_check(len(lens), H, lens, 64, dtype, seed=H, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("H", [16, 64])
+def test_page_sizes(page, H, variant):
+    run_and_check(5, H, [1, 100, 257, 0, 511], page, torch.bfloat16, seed=page, variant=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H", [16, 128])
-def test_long_context_splits(dtype, H):
+def test_long_context_splits(dtype, H, variant):
     # small batch, long sequence: the KV is split across CTAs and merged by the combine kernel
     idx = torch.cuda.current_device()
-    run_and_check(2, H, [9000, 33], 64, dtype, seed=7)
-    assert mla_mod.plan(idx, 2, H, 141, 64)[0] > 1
+    run_and_check(2, H, [9000, 33], 64, dtype, seed=7, variant=variant)
+    v = variant if serves(variant, idx, H, 64) else None  # run_and_check has checked the forced call
+    assert mla_mod.plan(idx, 2, H, 141, 64, variant=v)[0] > 1
 
 
 @pytest.mark.gpu
-def test_random_cases():
+def test_random_cases(variant):
     g = gen(1234)
     for i in range(8):
         B = int(torch.randint(1, 9, (1,), generator=g))
         H = int(torch.randint(1, 129, (1,), generator=g))
         lens = torch.randint(0, 1500, (B,), generator=g).tolist()
         page = [16, 32, 64, 128][i % 4]
-        run_and_check(B, H, lens, page, DTYPES[i % 2], seed=100 + i)
+        run_and_check(B, H, lens, page, DTYPES[i % 2], seed=100 + i, variant=variant)
 
 
 @pytest.fixture(params=[None, "0"], ids=["default-loader", "cp.async"])
@@ -81,43 +137,46 @@ def loader(request, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [32, 64, 128])
 @pytest.mark.parametrize("H", [33, 128])
-def test_loaders_for_32_head_ctas(loader, page, H):
-    run_and_check(4, H, [1, 95, 600, 31], page, torch.float16, seed=page + H)
+def test_loaders_for_32_head_ctas(loader, page, H, variant):
+    run_and_check(4, H, [1, 95, 600, 31], page, torch.float16, seed=page + H, variant=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [16, 128])
-def test_nan_in_unused_pages_and_bad_entries_do_not_leak(loader, H):
+def test_nan_in_unused_pages_and_bad_entries_do_not_leak(loader, H, variant):
     # make_cache fills every unused slot with NaN and unused table entries with -7; a wild
     # page id in a used entry reads zeros instead of memory outside the cache.
-    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(3, H, [5, 64, 70], 64, torch.bfloat16, "cuda", gen(5))
-    out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+    q_nope, q_pe, ckv, kpe, pt, lens = args = make_cache(3, H, [5, 64, 70], 64, torch.bfloat16, "cuda", gen(5))
+    v = variant_for(variant, args)
+    out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, variant=v)
     assert torch.isfinite(out.float()).all()
     pt[2, 1] = 10**6
-    out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+    out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, variant=v)
     assert torch.isfinite(out.float()).all()
     with pytest.raises(ValueError, match=r"page_table\[2, 1\]"):
-        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, check_indices=True)
+        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, check_indices=True, variant=v)
     lens[0] = 10**5
     with pytest.raises(ValueError, match=r"seq_lens\[0\]"):
-        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, check_indices=True)
+        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, check_indices=True, variant=v)
 
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
-def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch):
-    B, H, page = 4, 16, 64
+@pytest.mark.parametrize("H", [16, 128])
+def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch, H, variant):
+    B, page = 4, 64
     # every request owns pages for 3000 tokens; the replays use other lengths within them
-    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(B, H, [3000] * B, page, torch.bfloat16, "cuda", gen(9))
+    q_nope, q_pe, ckv, kpe, pt, lens = args = make_cache(B, H, [3000] * B, page, torch.bfloat16, "cuda", gen(9))
+    v = variant_for(variant, args)  # outside the capture: a forced variant that declines raises before it
     hmoe.prewarm()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, return_lse=True)
+        hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, return_lse=True, variant=v)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        out, lse = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, return_lse=True)
+        out, lse = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, return_lse=True, variant=v)
     for new in ([2500, 0, 1, 64], [17, 3000, 640, 5]):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         q_nope.copy_(torch.randn_like(q_nope))
@@ -127,29 +186,30 @@ def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch):
         nz = torch.tensor(new) > 0
         assert rel_err(out[nz], ref_o[nz]) < TOL[torch.bfloat16]
         assert torch.isneginf(lse[~nz].cpu()).all() and (out[~nz] == 0).all()
-    from hmoe.ops import _cuda
     monkeypatch.setattr(_cuda, "_warm", set())
     with pytest.raises(RuntimeError, match="prewarm"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+            hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, variant=v)
 
 
 @pytest.mark.gpu
-def test_threads_sharing_a_stream_and_the_split_buffer():
+@pytest.mark.parametrize("H", [16, 128])
+def test_threads_sharing_a_stream_and_the_split_buffer(H, variant):
     # Long sequences: every call splits the KV and uses the stream's partials buffer; calls from
     # several threads on one stream must not interleave their decode and combine kernels on it.
     import threading
 
-    B, H, lens = 2, 16, [6000, 4100]
+    B, lens = 2, [6000, 4100]
     cases = [make_cache(B, H, lens, 64, torch.bfloat16, "cuda", gen(40 + i)) for i in range(4)]
     refs = [mla_reference(*c, SCALE)[0] for c in cases]
-    hmoe.ops.mla_decode(*cases[0], sm_scale=SCALE)
+    v = variant_for(variant, cases[0])
+    hmoe.ops.mla_decode(*cases[0], sm_scale=SCALE, variant=v)
     results, errors = {}, []
 
     def work(i):
         try:
             for r in range(6):
-                results[i, r] = hmoe.ops.mla_decode(*cases[i], sm_scale=SCALE)
+                results[i, r] = hmoe.ops.mla_decode(*cases[i], sm_scale=SCALE, variant=v)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -167,9 +227,10 @@ PTX_CHECK = """
 import sys, torch, hmoe
 from tests.ops.mla_reference import TOL, make_cache, mla_reference, rel_err
 # Under CUDA_FORCE_PTX_JIT torch's own kernels may have no PTX: only copies touch the GPU here.
+# The portable family forced: the only one with PTX (sm90a is arch-specific SASS alone).
 for B, H, lens, page, dtype in [(3, 20, [0, 300, 5000], 64, torch.bfloat16), (2, 128, [77, 1], 32, torch.float16)]:
     cpu = make_cache(B, H, lens, page, dtype, "cpu", torch.Generator().manual_seed(B))
-    out, lse = hmoe.ops.mla_decode(*[t.to("cuda") for t in cpu], sm_scale=0.07, return_lse=True)
+    out, lse = hmoe.ops.mla_decode(*[t.to("cuda") for t in cpu], sm_scale=0.07, return_lse=True, variant="portable")
     ref_o, ref_lse = mla_reference(*cpu, 0.07)
     nz = torch.tensor(lens) > 0
     assert rel_err(out.cpu()[nz], ref_o[nz]) < TOL[dtype], "PTX result differs"
@@ -188,10 +249,13 @@ def test_ptx_path_in_a_subprocess():
 
 
 @pytest.mark.gpu
-def test_bad_input_on_gpu():
-    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(2, 4, [5, 6], 64, torch.bfloat16, "cuda", gen(2))
+@pytest.mark.parametrize("H", [4, 64])
+def test_bad_input_on_gpu(H, variant):
+    # Each family's module checks the calls it runs: 4 heads run on portable, 64 on sm90a too.
+    q_nope, q_pe, ckv, kpe, pt, lens = args = make_cache(2, H, [5, 6], 64, torch.bfloat16, "cuda", gen(2))
+    v = variant_for(variant, args)
     call = lambda **kw: hmoe.ops.mla_decode(**{**dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,
-                                                      page_table=pt, seq_lens=lens, sm_scale=SCALE), **kw})
+                                                      page_table=pt, seq_lens=lens, sm_scale=SCALE, variant=v), **kw})
     with pytest.raises(TypeError, match="q_pe has dtype"):
         call(q_pe=q_pe.half())
     with pytest.raises(ValueError, match="q_pe has shape"):
@@ -211,8 +275,8 @@ def test_bad_input_on_gpu():
         call(sm_scale=float("nan"))
     with pytest.raises(ValueError, match="must be on the CUDA"):
         call(seq_lens=lens.cpu())
-    out = hmoe.ops.mla_decode(q_nope[:0], q_pe[:0], ckv, kpe, pt[:0], lens[:0], sm_scale=SCALE)
-    assert out.shape == (0, 4, 512)
+    out = hmoe.ops.mla_decode(q_nope[:0], q_pe[:0], ckv, kpe, pt[:0], lens[:0], sm_scale=SCALE, variant=v)
+    assert out.shape == (0, H, 512)
 
 
 def test_bad_input_without_gpu():
@@ -229,29 +293,31 @@ def test_bad_input_without_gpu():
 
 
 @pytest.mark.gpu
-def test_misuse_refused_before_launch():
-    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(2, 4, [5, 6], 64, torch.bfloat16, "cuda", gen(3))
+@pytest.mark.parametrize("H", [4, 64])
+def test_misuse_refused_before_launch(H, variant):
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(2, H, [5, 6], 64, torch.bfloat16, "cuda", gen(3))
     args = dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, page_table=pt, seq_lens=lens)
+    args["variant"] = variant_for(variant, tuple(args.values()))
     for scale in (1e39, -1e39, float("inf")):
         with pytest.raises(ValueError, match="sm_scale must be finite in float32"):
             hmoe.ops.mla_decode(**args, sm_scale=scale)
     with pytest.raises(TypeError, match="sm_scale must be a float"):
         hmoe.ops.mla_decode(**args, sm_scale="0.1")
     # out aliasing an input: the kernel would overwrite what it still reads.
-    alias = q_nope.view(-1)[: 2 * 4 * 512].view(2, 4, 512)
+    alias = q_nope.view(-1)[: 2 * H * 512].view(2, H, 512)
     with pytest.raises(ValueError, match="out overlaps q_nope"):
         hmoe.ops.mla_decode(**args, sm_scale=SCALE, out=alias)
-    big = ckv.view(-1)[: 2 * 4 * 512].view(2, 4, 512)
+    big = ckv.view(-1)[: 2 * H * 512].view(2, H, 512)
     with pytest.raises(ValueError, match="out overlaps ckv_cache"):
         hmoe.ops.mla_decode(**args, sm_scale=SCALE, out=big)
     # A batch past the CUDA grid's limit.
     B = mla_mod.MAX_BATCH + 1
-    many = make_cache(1, 1, [5], 64, torch.bfloat16, "cuda", gen(4))
+    many = make_cache(1, H, [5], 64, torch.bfloat16, "cuda", gen(4))
     with pytest.raises(ValueError, match="at most 65535 requests"):
-        hmoe.ops.mla_decode(many[0].expand(B, 1, 512).contiguous(), many[1].expand(B, 1, 64).contiguous(),
+        hmoe.ops.mla_decode(many[0].expand(B, H, 512).contiguous(), many[1].expand(B, H, 64).contiguous(),
                             many[2], many[3], many[4].expand(B, -1).contiguous(),
-                            many[5].expand(B).contiguous(), sm_scale=SCALE)
+                            many[5].expand(B).contiguous(), sm_scale=SCALE, variant=args["variant"])
     # A request whose capacity (max_pages * page_size) an int32 cannot hold.
     wide = torch.zeros(1, 2 ** 25, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="below 2\\^31"):
-        hmoe.ops.mla_decode(many[0], many[1], many[2], many[3], wide, many[5], sm_scale=SCALE)
+        hmoe.ops.mla_decode(many[0], many[1], many[2], many[3], wide, many[5], sm_scale=SCALE, variant=args["variant"])

@@ -99,18 +99,20 @@ def hmoe_runner(inp, opts):
     return fn, out
 
 
-def hmoe_plan(inp, opts) -> str | None:
-    """What the plan chose for this shape (hmoe's own variants; None for a flashinfer one)."""
-    from hmoe.ops import _cuda, mla
+def hmoe_route(inp, opts) -> tuple[str, str | None]:
+    """The variant that runs this shape (hmoe.ops.mla.route: the device's, or the portable one for a
+    shape it declines) and what its plan chose (None for a flashinfer backend)."""
+    from hmoe.ops import mla
 
+    B, H, _ = inp.q_nope.shape
     try:
-        if not _cuda.select("mla_decode", opts.device.index, opts.variant).module:
-            return None
-        B, H, _ = inp.q_nope.shape
-        return mla.plan(opts.device.index, B, H, inp.page_table.shape[1], inp.ckv.shape[1],
-                        variant=opts.variant).describe()
-    except Exception as e:  # noqa: BLE001 - the plan is a note; the timing already stands
-        return f"unknown ({error_text(e)})"
+        sel = mla.route(opts.device.index, H, inp.ckv.shape[1], opts.variant)
+        if sel.backend:
+            return sel.variant, None
+        return sel.variant, mla.plan(opts.device.index, B, H, inp.page_table.shape[1], inp.ckv.shape[1],
+                                     variant=opts.variant).describe()
+    except Exception as e:  # noqa: BLE001 - a note; the timing already stands
+        return "?", f"unknown ({error_text(e)})"
 
 
 def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
@@ -152,7 +154,7 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progre
         lambda backend: flashinfer_runner(fi, backend, inp, opts.page_size, use_graph=not opts.eager),
         BACKENDS if fi is not None else (), fi_skip, lambda fn: measure(fn, s, opts, flush, copy_gbps))
     if "error" not in row["hmoe"]:
-        row["hmoe"]["plan"] = hmoe_plan(inp, opts)
+        row["hmoe"]["variant"], row["hmoe"]["plan"] = hmoe_route(inp, opts)
     torch.cuda.synchronize()
     n, tol = min(CHECK_REQUESTS, s.B), TOLERANCE[opts.dtype]
     ref = reference(inp, n, SM_SCALE)
@@ -163,7 +165,8 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progre
 
 
 COLUMNS = [  # (title, width, cell)
-    ("shape BxSxH", 13, lambda r: r["shape"]), ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
+    ("shape BxSxH", 13, lambda r: r["shape"]), ("variant", 8, lambda r: r["hmoe"].get("variant", "-")),
+    ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
     ("us(med)", 9, hm_cell("us", ".1f")), ("GB/s", 6, hm_cell("gbps", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".1f")),
     ("%copy", 6, hm_cell("copy_frac", ".1%")),
     ("fa2 us", 9, fi_cell("fa2", "us")), ("x fa2", 6, fi_cell("fa2", "speedup")),
@@ -220,7 +223,8 @@ def parse_args(argv, prog):
     p.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
-    p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to mla_decode)")
+    p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to mla_decode; a shape its family "
+                   "declines fails its row with the reason). Default: hmoe's choice per shape (the variant column)")
     p.add_argument("--config", type=int, default=None,
                    help="force the kernel's tile configuration (an index, see hmoe.ops.mla.plan; sets HMOE_MLA_CONFIG)")
     p.add_argument("--no-tma", action="store_true",
@@ -290,8 +294,8 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     print(f"hmoe.bench mla  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 "
           f"{(meta['l2_bytes'] or 0) / 2**20:.0f} MiB)  torch {torch.__version__}  hmoe {meta['hmoe']}  flashinfer "
           f"{meta['flashinfer'] or 'unavailable: ' + str(fi_why)}" + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
-    print(f"hmoe variant: {selection};  {opts.dtype}, page size {opts.page_size}, sm_scale 1/sqrt(192), "
-          f"shuffled pages;  timing: {meta['timing']}")
+    print(f"hmoe variant: {selection} (the variant column: what ran each shape);  {opts.dtype}, page size "
+          f"{opts.page_size}, sm_scale 1/sqrt(192), shuffled pages;  timing: {meta['timing']}")
     print(f"copy bandwidth: {copy['gbps']:.0f} GB/s (torch copy_ of a {copy['bytes_buffer'] / 2**30:.2f} GiB buffer; "
           f"bytes read + written; GB = 1e9 B);  bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s")
     print("GB/s = (KV B*S*576 + q B*H*576 + out B*H*512) * 2 B / median time; TFLOP/s = B*H*S*(576+512)*2 / time;\n"
@@ -303,7 +307,7 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     for s in opts.shape_list:
         rows.append(run_shape(s, opts, fi, fi_skip, copy["gbps"], flush, progress))
         print(format_row(rows[-1]), flush=True)
-    plans = [f"  {r['shape']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
+    plans = [f"  {r['shape']}: {r['hmoe']['variant']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
     if plans:
         print("\nhmoe's plan per shape (hmoe.ops.mla.plan):\n" + "\n".join(plans))
     failures = sum(r["failed"] for r in rows)

@@ -54,15 +54,16 @@ if shapes:
     else:
         broken = None if n else "no CUDA device torch can use"
     for B, S, H, page in shapes:
-        name = f"{B}x{S}x{H} page {page}"
+        row = {"shape": f"{B}x{S}x{H} page {page}", "variant": None, "reason": None, "plan": None, "error": None}
         if not n:
-            out["plans"].append({"device": "-", "shape": name, "plan": None, "error": broken})
+            out["plans"].append(dict(row, device="-", error=broken))
         for i in range(n):
             try:
+                r = mla.route(i, H, page)
                 plan = mla.plan(i, B, H, -(-S // page), page).describe()
-                out["plans"].append({"device": f"cuda:{i}", "shape": name, "plan": plan, "error": None})
+                out["plans"].append(dict(row, device=f"cuda:{i}", variant=r.variant, reason=r.reason, plan=plan))
             except BaseException as e:
-                out["plans"].append({"device": f"cuda:{i}", "shape": name, "plan": None, "error": why(e)})
+                out["plans"].append(dict(row, device=f"cuda:{i}", error=why(e)))
 sys.stdout.write("\n" + json.dumps(out))
 """
 
@@ -115,8 +116,8 @@ class Child:
 
 class PythonProbe:
     """torch and flashinfer imported in a child (see Child); with `mla_shapes` ((B, S, H, page),
-    ...) the child also computes mla_decode's plan for each on every CUDA device (it has torch
-    and a CUDA context; the check itself has neither)."""
+    ...) the child also finds the variant that runs each (hmoe.ops.mla.route) and its plan on every
+    CUDA device (it has torch and a CUDA context; the check itself has neither)."""
 
     def __init__(self, timeout: float = 120.0, python: str | None = None, mla_shapes=()):
         args = (json.dumps([list(s) for s in mla_shapes]),) if mla_shapes else ()

@@ -135,6 +135,9 @@ def _selections(rows, out, colour):
             var = r["variant"] + (f" ({r['target']})" if r["target"] else "")
             out.append(f"  {r['device']:<{width}}  {r['op']:<{opw}}  {_paint(var, 'ok', colour)}: "
                        f"{r['reason']}{sim}")
+            for a in r.get("alternatives", ()):  # the op's other families on this device
+                var = a["variant"] + (f" ({a['target']})" if a["target"] else "")
+                out.append(f"  {'':<{width}}  {'':<{opw}}  also {var}: {a['reason']}")
         else:
             out.append(f"  {r['device']:<{width}}  {r['op']:<{opw}}  {_paint('none', 'error', colour)}: "
                        f"{r['reason']}{sim}")
@@ -169,9 +172,11 @@ def render(rep: dict, colour: bool = False) -> str:
         except Exception as e:  # a surprise in the data must not hide the other sections
             out.append(f"  (could not render this section: {type(e).__name__}: {e})")
     if rep.get("plans") is not None:
-        head("mla_decode plans (--mla-shape)")
+        head("mla_decode per shape: the variant that runs it, its plan (--mla-shape)")
         for r in rep["plans"]:
-            out.append(f"  {r['device']}  {r['shape']}: {r['plan'] or 'none: ' + str(r['error'])}")
+            runs = f"{r['variant']} ({r['reason']}): " if r.get("variant") else \
+                (f"{r['reason']}: " if r.get("reason") else "")
+            out.append(f"  {r['device']}  {r['shape']}: {runs}{r['plan'] or 'no plan: ' + str(r['error'])}")
     if rep.get("selftests") is not None:
         head("self-tests")
         for r in rep["selftests"]:

@@ -157,7 +157,31 @@ def _variants(manifest, real_cpu, cpu_err, problems) -> list:
 def _row(device, op, sel=None, reason="", simulated=False):
     return {"device": device, "op": op, "variant": sel.variant if sel else None,
             "module": (sel.module or None) if sel else None, "target": (sel.target or None) if sel else None,
-            "reason": sel.reason if sel else reason, "ok": sel is not None, "simulated": simulated}
+            "reason": sel.reason if sel else reason, "ok": sel is not None, "simulated": simulated,
+            "alternatives": []}
+
+
+def _alternatives(op, sel, families, cc, driver_cuda, label) -> list:
+    """What each other family built for `op` would do on this device, as if forced (mla_decode's
+    fallback family runs the shapes the selected one declines: see hmoe.ops.mla.route)."""
+    from ..ops import mla
+
+    out = []
+    for family in families:
+        if family == sel.variant:
+            continue
+        try:
+            alt = dispatch.select_gpu(op, cc=cc, driver_cuda=driver_cuda, device_label=label, variant=family,
+                                      use_env=False)
+            why, target, ok = alt.reason.removeprefix(f"forced by variant={family}: "), alt.target or None, True
+        except ValueError as e:  # cannot run here: "variant='sm90a' cannot run on <label>: <why>"
+            why, target, ok = str(e).split(f"{label}: ", 1)[-1], None, False
+        except Exception as e:  # noqa: BLE001 - its module is broken: said in the native modules too
+            why, target, ok = _why(e), None, False
+        if ok and op == "mla_decode" and family == mla.FALLBACK and not sel.backend:
+            why += f"; runs the shapes {sel.variant} declines (--mla-shape shows which)"
+        out.append({"variant": family, "target": target, "reason": why, "ok": ok})
+    return out
 
 
 def _cpu_selections(manifest, info, problems, simulated) -> list:
@@ -191,6 +215,7 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     failed = {}  # (reason, fix) -> ([devices], [ops]): one problem for what many rows share
     kernels = manifest.get("cuda_kernels", {})
     ops = sorted({e["op"] for e in kernels.values()}) or ["grouped_topk"]
+    families = {op: sorted(e["family"] for e in kernels.values() if e["op"] == op) for op in ops}
     devices = [(d.label, d.compute_capability, det.driver_cuda) for d in det.visible]
     if not det.ok and torch_info.get("devices"):
         # No NVML: the devices torch saw (in its child process) stand in for it.
@@ -207,6 +232,7 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
             try:
                 sel = dispatch.select_gpu(op, cc=cc, driver_cuda=driver_cuda, device_label=label)
                 rows.append(_row(label, op, sel, simulated=det.simulated))
+                rows[-1]["alternatives"] = _alternatives(op, sel, families[op], cc, driver_cuda, label)
             except KeyboardInterrupt:
                 raise
             except BaseException as e:
@@ -219,6 +245,27 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     for (reason, fix), (devs, ops_) in failed.items():
         problems.add("error", f"{', '.join(devs)}: {', '.join(ops_)}: {reason}", fix)
     return rows
+
+
+def _simulated_routes(rows, shapes) -> list:
+    """--mla-shape with --simulate-gpu: which variant would run each shape on each simulated device
+    (hmoe.ops.mla.route's rule, asked of the selected family's installed module: it depends on the
+    shape alone); the plan needs the real GPU."""
+    from ..ops import mla
+
+    out = []
+    for r in (r for r in rows if r["op"] == "mla_decode" and r["device"] != "cpu"):
+        for B, S, H, page in shapes:
+            variant, reason = (r["variant"], r["reason"]) if r["ok"] else (None, None)
+            if r["ok"] and r["module"]:
+                why, err = _guard(lambda: load(r["module"]).mla_decode_declines(H, page))
+                if err:  # the rule is the module's: without it, which variant runs the shape is unknown
+                    variant, reason = None, f"unknown: hmoe._native.{r['module']} cannot say ({err})"
+                elif why:
+                    variant, reason = mla.FALLBACK, mla.declined_reason(r["variant"], H, page, why)
+            out.append({"device": r["device"], "shape": f"{B}x{S}x{H} page {page}", "variant": variant,
+                        "reason": reason, "plan": None, "error": "plans need the real GPU (not with --simulate-gpu)"})
+    return out
 
 
 def _gpu_problems(det, problems) -> None:
@@ -318,8 +365,8 @@ def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool =
     rep["selections"] = rows
     rep["plans"] = None
     if mla_shapes:
-        rep["plans"] = py.get("plans") or [
-            {"device": "-", "shape": f"{B}x{S}x{H} page {page}", "plan": None,
+        rep["plans"] = (_simulated_routes(rows, mla_shapes) if simulate_gpu else py.get("plans")) or [
+            {"device": "-", "shape": f"{B}x{S}x{H} page {page}", "variant": None, "reason": None, "plan": None,
              "error": "plans need the real GPU (not with --simulate-gpu)" if simulate_gpu else
              (py.get("torch") or {}).get("error") or "the torch child process gave no plans"}
             for B, S, H, page in mla_shapes]

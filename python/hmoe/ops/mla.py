@@ -14,8 +14,9 @@ rounded once to q's dtype. L = 0 gives out = 0 and lse = -inf.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
-from .. import _env, backends, validation as V
+from .. import _env, _native, backends, dispatch, validation as V
 from .._native import spec
 from . import _cuda, _pages
 
@@ -23,6 +24,8 @@ _C = spec.constants()
 D_CKV, D_PE = _C["mla_dim_ckv"], _C["mla_dim_pe"]
 MAX_HEADS, MAX_BATCH = _C["mla_max_heads"], _C["mla_max_batch"]
 LOADERS = {_C["mla_loader_rows"]: "cp.async rows", _C["mla_loader_contig"]: "cp.async", _C["mla_loader_tma"]: "tma"}
+FALLBACK = "portable"  # the family that serves every shape: it runs what another family declines
+_routes: dict = {}
 
 
 class MlaPlan(collections.namedtuple(
@@ -53,16 +56,59 @@ def _overrides(config: int | None, tma: bool | None) -> tuple[int, bool]:
     return config, bool(tma)
 
 
+def declines(sel: dispatch.Selection, heads: int, page_size: int) -> str:
+    """Why the family of `sel` does not serve mla_decode calls of this shape (its module's
+    mla_decode_declines: the sm90a family leaves few-head shapes and page sizes its tiles do not
+    fit to the portable one), "" when it serves them; "" for an optional backend."""
+    if sel.backend:
+        return ""
+    return _native.load(sel.module).mla_decode_declines(heads, page_size)
+
+
+def declined_reason(family: str, heads: int, page_size: int, why: str) -> str:
+    """The reason a shape that `family` declines runs on FALLBACK (hmoe.compat prints it too)."""
+    return f"fallback: {family} declines {heads} heads, page size {page_size}: {why}"
+
+
+def route(index: int, heads: int, page_size: int, variant: str | None = None, *,
+          own: bool = False) -> dispatch.Selection:
+    """Which variant runs mla_decode calls of `heads` heads and page size `page_size` on cuda:<index>:
+    the device's selection (_cuda.select: forced by `variant` or HMOE_CUDA_VARIANT; own=True ignores
+    the latter), unless its family declines the shape: then FALLBACK, with a reason that says why
+    (logged once). Forcing a family that declines the shape is a ValueError. Decided once per
+    (device, heads, page size, variant, HMOE_CUDA_VARIANT) and cached: a call pays a dict lookup."""
+    key = (index, heads, page_size, variant, None if own else _env.get("HMOE_CUDA_VARIANT"))
+    sel = _routes.get(key)
+    if sel is None:
+        sel = _cuda.select("mla_decode", index, variant, own=own)
+        why = declines(sel, heads, page_size)
+        if why:
+            if sel.variant == (variant or key[4]):
+                source = "variant=" if variant else "HMOE_CUDA_VARIANT="
+                raise ValueError(f"mla_decode: {source}{sel.variant!r} does not serve {heads} heads with page size "
+                                 f"{page_size} on {sel.device}: {why}; the {FALLBACK!r} variant serves this shape "
+                                 f"(force it, or leave the choice to hmoe)")
+            sel = dataclasses.replace(_cuda.select("mla_decode", index, FALLBACK, own=True),
+                                      reason=declined_reason(sel.variant, heads, page_size, why))
+            dispatch.log.info("hmoe: mla_decode on %s: %s", sel.device, sel.reason)
+        with _cuda._lock:
+            _routes[key] = sel
+    return sel
+
+
 def plan(index: int, batch: int, heads: int, max_pages: int, page_size: int, *, config: int | None = None,
          tma: bool | None = None, variant: str | None = None) -> MlaPlan:
     """The plan mla_decode follows for this shape on cuda:<index>: computed once per shape by the
-    selected variant's module and cached there. It depends on shapes only (never on seq_lens), so a
-    captured graph replays with new lengths. `config` and `tma` override it for tests and tuning
-    (default: $HMOE_MLA_CONFIG, $HMOE_MLA_TMA; see _overrides)."""
+    module of the variant that runs it (route()) and cached there. It depends on shapes only (never
+    on seq_lens), so a captured graph replays with new lengths. `config` and `tma` override it for
+    tests and tuning (default: $HMOE_MLA_CONFIG, $HMOE_MLA_TMA; see _overrides). Where
+    HMOE_CUDA_VARIANT names an optional backend, the plan is that of hmoe's own choice."""
     config, tma = _overrides(config, tma)
-    sel = _cuda.select("mla_decode", index, variant) if variant else _cuda.select("mla_decode", index, own=True)
+    sel = route(index, heads, page_size, variant)
     if sel.backend:
-        raise ValueError(f"mla_decode variant {sel.variant} is not hmoe's: it has no hmoe plan")
+        if variant:
+            raise ValueError(f"mla_decode variant {sel.variant} is not hmoe's: it has no hmoe plan")
+        sel = route(index, heads, page_size, own=True)
     mod = _cuda.module(index, "mla_decode", sel=sel)
     return MlaPlan(*mod.mla_decode_plan(index, batch, heads, max_pages, page_size, config, tma))
 
@@ -102,21 +148,31 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     [0, max_pages * page_size] and page ids outside [0, P) read as zeros. Checking them costs
     a device synchronisation, so it happens only with check_indices=True (or
     HMOE_CHECK_INDICES=1), which raises ValueError for a bad entry.
-    `variant` (or HMOE_CUDA_VARIANT) forces a variant; see hmoe.compat for what is available.
+    `variant` (or HMOE_CUDA_VARIANT) forces a variant; see hmoe.compat for what is available. A
+    variant whose family declines the shape (sm90a: few heads, some page sizes) leaves the call to
+    the portable one when it was hmoe's choice, and is a ValueError when forced; see route().
     `out` (optional) receives the result: [B, H, 512], q's dtype and device, contiguous.
     """
     index = _cuda.cuda_index(q_nope)
     if index < 0:  # not a plain CUDA tensor: say what is wrong with it
         V.tensor("q_nope", q_nope, ndim=3, dtypes=V.half_dtypes(), device="cuda")
         raise AssertionError("unreachable: q_nope passed the checks of a CUDA tensor")
-    sel = _cuda.select("mla_decode", index, variant)
+    try:
+        heads, page_size = q_nope.shape[1], ckv_cache.shape[1]  # what route() decides by
+    except (AttributeError, IndexError, TypeError):
+        heads = None
+    if heads is None:  # not shaped like the op's tensors: hmoe's module says what is wrong
+        mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True))
+        mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
+        raise AssertionError("unreachable: the arguments passed the checks of mla_decode")
+    sel = route(index, heads, page_size, variant)
     fi = sel.backend  # an optional backend (flashinfer); hmoe's own module still checks the arguments
     mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True) if fi else sel)
     check_indices = check_indices or _env.get("HMOE_CHECK_INDICES") == "1"
     if fi or check_indices:
         mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
         if check_indices:
-            validate_indices(page_table, seq_lens, ckv_cache.shape[1], ckv_cache.shape[0])
+            validate_indices(page_table, seq_lens, page_size, ckv_cache.shape[0])
         if fi:
             return backends.run(sel.variant, "mla_decode", q_nope, q_pe, ckv_cache, kpe_cache, page_table,
                                 seq_lens, sm_scale=float(sm_scale), return_lse=return_lse, out=out)

@@ -1,0 +1,175 @@
+"""hmoe.ops.mla.route on simulated devices with fake family modules (no GPU): a shape the selected
+family declines runs on the portable one, with the reason; forcing a family on a shape it declines
+is a ValueError; the decision is cached; plan() and mla_decode() follow it."""
+import logging
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hmoe import _native, backends, dispatch  # noqa: E402
+from hmoe._native import spec  # noqa: E402
+from hmoe.hardware import gpu  # noqa: E402
+from hmoe.ops import _cuda, mla  # noqa: E402
+
+from ..hardware import fake_nvml as F  # noqa: E402
+
+FEW_HEADS = "few heads are memory-bound: the portable kernel's 16/32-head CTAs suit them"
+KERNELS = {f: {"sass": sass, "ptx": ptx, "op": "mla_decode", "family": f, "module": f"hmoe._native.fake_{f}"}
+           for f, sass, ptx in (("portable", ["80", "89", "90"], ["90"]), ("sm90a", ["90a"], []))}
+
+
+def sm90a_rule(heads, page_size):
+    if heads <= 32:
+        return FEW_HEADS
+    return f"page size {page_size} is not a multiple of 16" if page_size % 16 else ""
+
+
+def fake_family(monkeypatch, family, rule):
+    """hmoe._native.fake_<family> as if imported: the spec's table, a declines rule that counts its
+    calls, a plan and a kernel that say which family answered."""
+    name = f"fake_{family}"
+    m = types.ModuleType(f"hmoe._native.{name}")
+    m.abi_version = lambda: spec.constants()["abi_version"]
+    m.signatures = lambda: dict(_native.expected_table(name))
+    m.constants = lambda: dict(spec.constants())
+    m.asked = []
+    m.mla_decode_declines = lambda heads, page_size: m.asked.append((heads, page_size)) or rule(heads, page_size)
+    m.mla_decode_plan = lambda device, batch, heads, max_pages, page_size, config, tma: \
+        (1, {"portable": 3, "sm90a": 7}[family], 0, 16, 64, 1024)
+    m.mla_decode = lambda *args: family
+
+    def check(q_nope, *args):
+        raise ValueError(f"q_nope has shape {tuple(q_nope.shape)} (checked by {family})")
+    m.mla_decode_check = check
+    monkeypatch.setitem(sys.modules, f"hmoe._native.{name}", m)
+    monkeypatch.setitem(_cuda._modules, name, m)  # bound and prewarmed: no CUDA touched
+    _cuda._warm.add((0, name))
+    return m
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """device(nvml_gpu) -> the fake modules {family: module}; cuda:0 is that GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    for mod, attr in ((_native, "_loaded"), (_native, "_failed"), (_cuda, "_selections"), (_cuda, "_modules"),
+                      (mla, "_routes")):
+        monkeypatch.setattr(mod, attr, {})
+    monkeypatch.setattr(_cuda, "_warm", set())
+    monkeypatch.setattr(dispatch, "_torch_capability", lambda o, may_init: None)
+    monkeypatch.setattr(dispatch, "_build_info", types.SimpleNamespace(
+        cuda_kernels_for=lambda op: KERNELS if op == "mla_decode" else {}, _manifest=lambda: {"cuda_version": "13.0"}))
+
+    def use(g):
+        monkeypatch.setattr(gpu, "_NVML_HOOK", F.make([g]))
+        gpu.refresh()
+        return {"portable": fake_family(monkeypatch, "portable", lambda h, p: ""),
+                "sm90a": fake_family(monkeypatch, "sm90a", sm90a_rule)}
+    yield use
+    gpu.refresh()
+
+
+def test_declined_shape_runs_on_portable_with_the_reason(device, caplog):
+    mods = device(F.H200)
+    with caplog.at_level(logging.INFO, logger="hmoe.dispatch"):
+        r = mla.route(0, 16, 64)
+    assert (r.variant, r.module, r.target, r.device) == ("portable", "fake_portable", "sm_90", "cuda:0 (NVIDIA H200, 9.0)")
+    assert r.reason == f"fallback: sm90a declines 16 heads, page size 64: {FEW_HEADS}"
+    assert [rec.getMessage() for rec in caplog.records if "declines" in rec.getMessage()] == \
+        [f"hmoe: mla_decode on cuda:0 (NVIDIA H200, 9.0): {r.reason}"]
+    served = mla.route(0, 128, 64)
+    assert (served.variant, served.module, served.reason) == ("sm90a", "fake_sm90a", "native: sm_90a SASS")
+    odd_page = mla.route(0, 128, 8)
+    assert odd_page.variant == "portable" and odd_page.reason.endswith("page size 8: page size 8 is not a multiple of 16")
+    assert mods["sm90a"].asked == [(16, 64), (128, 64), (128, 8)] and mods["portable"].asked == []
+
+
+def test_the_decision_is_cached(device, caplog):
+    mods = device(F.H200)
+    with caplog.at_level(logging.INFO, logger="hmoe.dispatch"):
+        first = mla.route(0, 16, 64)
+        assert mla.route(0, 16, 64) is first and mla.route(0, 16, 64, None) is first
+    assert mods["sm90a"].asked == [(16, 64)]  # the module was asked once
+    assert sum("declines" in rec.getMessage() for rec in caplog.records) == 1  # and it was said once
+    assert mla.route(0, 128, 64) is mla.route(0, 128, 64) is not first
+
+
+@pytest.mark.parametrize("how", ["arg", "env"])
+def test_forcing_a_family_on_a_shape_it_declines_is_an_error(device, monkeypatch, how):
+    device(F.H200)
+    kw = {"variant": "sm90a"} if how == "arg" else {}
+    if how == "env":
+        monkeypatch.setenv("HMOE_CUDA_VARIANT", "sm90a")
+    source = "variant=" if how == "arg" else "HMOE_CUDA_VARIANT="
+    with pytest.raises(ValueError) as e:
+        mla.route(0, 16, 64, **kw)
+    msg = str(e.value)
+    assert msg.startswith(f"mla_decode: {source}'sm90a' does not serve 16 heads with page size 64 on cuda:0 (NVIDIA H200")
+    assert FEW_HEADS in msg and "the 'portable' variant serves this shape" in msg
+    with pytest.raises(ValueError, match="page size 8 is not a multiple of 16"):
+        mla.route(0, 64, 8, **kw)
+    assert mla.route(0, 64, 16, **kw).variant == "sm90a"  # a shape it serves
+    assert mla.route(0, 16, 64, "portable").reason == "forced by variant=portable: native: sm_90 SASS"
+    if how == "env":  # own=True: hmoe's own choice, the environment ignored: no error, the fallback
+        assert mla.route(0, 16, 64, own=True).variant == "portable"
+
+
+def test_environment_is_part_of_the_key(device, monkeypatch):
+    device(F.H200)
+    assert mla.route(0, 128, 64).variant == "sm90a"
+    monkeypatch.setenv("HMOE_CUDA_VARIANT", "portable")
+    assert mla.route(0, 128, 64).variant == "portable"
+    monkeypatch.delenv("HMOE_CUDA_VARIANT")
+    assert mla.route(0, 128, 64).variant == "sm90a"
+
+
+def test_device_without_the_family(device):
+    mods = device(F.A100)
+    r = mla.route(0, 16, 64)
+    assert (r.variant, r.reason) == ("portable", "native: sm_80 SASS")
+    assert mods["sm90a"].asked == [] and mods["portable"].asked == [(16, 64)]
+    with pytest.raises(ValueError, match="cannot run on cuda:0"):
+        mla.route(0, 128, 64, "sm90a")
+
+
+def test_backends_are_not_routed(device, monkeypatch):
+    mods = device(F.H200)
+    fake = types.ModuleType("fake_backend")
+    fake.selectable = lambda name, cc, drv: (True, "flashinfer 0.2.9 on sm_90")
+    monkeypatch.setitem(sys.modules, "fake_backend", fake)
+    monkeypatch.setattr(backends, "BACKENDS", {"flashinfer-fa3": ("fake_backend", ("mla_decode",))})
+    r = mla.route(0, 16, 64, "flashinfer-fa3")
+    assert r.backend and r.variant == "flashinfer-fa3" and mods["sm90a"].asked == []
+    with pytest.raises(ValueError, match="not hmoe's"):
+        mla.plan(0, 4, 16, 10, 64, variant="flashinfer-fa3")
+    monkeypatch.setenv("HMOE_CUDA_VARIANT", "flashinfer-fa3")  # the plan of hmoe's own choice then
+    assert mla.plan(0, 4, 16, 10, 64).config == 3 and mla.plan(0, 4, 128, 10, 64).config == 7
+
+
+def test_plan_follows_the_route(device):
+    device(F.H200)
+    assert mla.plan(0, 4, 16, 10, 64).config == 3  # portable's plan: sm90a declines 16 heads
+    assert mla.plan(0, 4, 128, 10, 64).config == 7  # sm90a's
+    assert mla.plan(0, 4, 128, 10, 64, variant="portable").config == 3
+    with pytest.raises(ValueError, match="does not serve 16 heads"):
+        mla.plan(0, 4, 16, 10, 64, variant="sm90a")
+
+
+def test_mla_decode_runs_the_routed_family(device, monkeypatch):
+    device(F.H200)
+    monkeypatch.setattr(_cuda, "cuda_index", lambda t: 0)  # CPU tensors stand in for cuda:0's
+    z = lambda *shape: torch.zeros(shape, dtype=torch.bfloat16)  # noqa: E731
+    pt, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+
+    def call(H, page=64, **kw):
+        return mla.mla_decode(z(2, H, 512), z(2, H, 64), z(1, page, 512), z(1, page, 64), pt, lens, sm_scale=0.1, **kw)
+    assert call(16) == "portable" and call(128) == "sm90a" and call(128, 8) == "portable"
+    assert call(128, variant="portable") == "portable"
+    with pytest.raises(ValueError, match="'sm90a' does not serve 16 heads"):
+        call(16, variant="sm90a")
+    # Not shaped like q_nope: hmoe's own module's check says what is wrong, no routing needed.
+    with pytest.raises(ValueError, match=r"q_nope has shape \(2,\) \(checked by sm90a\)"):
+        mla.mla_decode(torch.zeros(2), z(2, 16, 64), z(1, 64, 512), z(1, 64, 64), pt, lens, sm_scale=0.1)
