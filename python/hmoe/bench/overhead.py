@@ -93,6 +93,15 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     o = torch.empty_like(q_nope)
     out.append(("mla_decode(out=)", device, shape,
                 lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07, out=o), sync, "fi"))
+    # 128 heads: the shapes the sm90a family runs on Hopper (its launch encodes four tensor maps).
+    q_nope128 = torch.randn(B, 128, 512, device=dev, dtype=torch.bfloat16)
+    q_pe128 = torch.randn(B, 128, 64, device=dev, dtype=torch.bfloat16)
+    try:
+        route = hmoe.ops.mla.route(dev.index if dev.index is not None else torch.cuda.current_device(), 128, page).variant
+    except Exception as e:  # noqa: BLE001 - the call's own row reports the failure
+        route = f"no route: {type(e).__name__}"
+    out.append(("mla_decode (128 heads)", device, f"B={B} H=128 S={S} page={page} bf16, {route}",
+                lambda: hmoe.ops.mla_decode(q_nope128, q_pe128, ckv, kpe, pt, lens, sm_scale=0.07), sync, "fi"))
     if flashinfer is not None:
         for backend in ("fa2", "fa3") if torch.cuda.get_device_capability(dev) == (9, 0) else ("fa2",):
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
