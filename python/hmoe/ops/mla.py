@@ -165,7 +165,12 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
         mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True))
         mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
         raise AssertionError("unreachable: the arguments passed the checks of mla_decode")
-    sel = route(index, heads, page_size, variant)
+    try:
+        sel = route(index, heads, page_size, variant)
+    except ValueError:  # a forced family declines the shape: unless the arguments are what is wrong
+        mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True))
+        mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
+        raise
     fi = sel.backend  # an optional backend (flashinfer); hmoe's own module still checks the arguments
     mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True) if fi else sel)
     check_indices = check_indices or _env.get("HMOE_CHECK_INDICES") == "1"
