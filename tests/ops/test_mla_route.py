@@ -41,8 +41,9 @@ def fake_family(monkeypatch, family, rule):
         (1, {"portable": 3, "sm90a": 7}[family], 0, 16, 64, 1024)
     m.mla_decode = lambda *args: family
 
-    def check(q_nope, *args):
-        raise ValueError(f"q_nope has shape {tuple(q_nope.shape)} (checked by {family})")
+    def check(q_nope, *args):  # the real check's verdict on a q_nope that is not [B, H, 512]
+        if q_nope.dim() != 3:
+            raise ValueError(f"q_nope has shape {tuple(q_nope.shape)} (checked by {family})")
     m.mla_decode_check = check
     monkeypatch.setitem(sys.modules, f"hmoe._native.{name}", m)
     monkeypatch.setitem(_cuda._modules, name, m)  # bound and prewarmed: no CUDA touched
