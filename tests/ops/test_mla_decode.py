@@ -2,9 +2,6 @@
 (family) forced with variant=: portable, and sm90a on compute capability 9.0. A shape the sm90a family
 declines (mla.route) is checked there as the user meets it: the forced call is a ValueError, the
 unforced one runs on portable and gives the right result."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ from hmoe import _build_info
 from hmoe.ops import _cuda, mla as mla_mod
 
 from .mla_reference import TOL, make_cache, mla_reference, rel_err
+from .ptx_jit import run_forced_ptx
 
 DTYPES = [torch.bfloat16, torch.float16]
 SCALE = 1.0 / (192 ** 0.5)
@@ -240,11 +238,7 @@ print("PTX-OK")
 
 @pytest.mark.gpu
 def test_ptx_path_in_a_subprocess():
-    # CUDA_FORCE_PTX_JIT makes the driver ignore the SASS and JIT-compile the embedded PTX.
-    env = dict(os.environ, CUDA_FORCE_PTX_JIT="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", PTX_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=600)
+    r = run_forced_ptx(PTX_CHECK, timeout=600)
     assert r.returncode == 0 and "PTX-OK" in r.stdout, r.stderr[-3000:]
 
 

@@ -1,9 +1,6 @@
 """ragged_prefill: the references and argument errors on the CPU; on the GPU against the fp64
 reference (dtype-derived tolerance) and the reference that rounds P where the kernel does (tight)."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +10,7 @@ from hmoe import _reference
 from hmoe.ops import prefill as prefill_mod
 
 from .prefill_reference import DTYPES, HEAD_DIMS, indptr, make_ragged, rel_err, tol
+from .ptx_jit import run_forced_ptx
 
 SCALE = 192 ** -0.5
 
@@ -283,11 +281,7 @@ print("PTX-OK")
 
 @pytest.mark.gpu
 def test_ptx_path_in_a_subprocess():
-    # CUDA_FORCE_PTX_JIT makes the driver ignore the SASS and JIT-compile the embedded PTX.
-    env = dict(os.environ, CUDA_FORCE_PTX_JIT="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", PTX_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=900)
+    r = run_forced_ptx(PTX_CHECK, timeout=900)
     assert r.returncode == 0 and "PTX-OK" in r.stdout, r.stderr[-3000:]
 
 
