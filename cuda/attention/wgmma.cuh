@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) primitives of hmoe's warp-specialised attention kernels: wgmma with both
-// operands in shared memory, its matrix descriptors for the 128-byte swizzled layout the TMA writes,
+// operands in shared memory or A in registers, its matrix descriptors for the 128-byte swizzled layout the TMA writes,
 // register reallocation, named barriers, mbarriers and 2-d TMA tensor loads. Only compiled for
 // sm_90a (the "sm90a" kernel family of arch/gpu.json).
 //
@@ -10,9 +10,11 @@
 // bytes apart. Read across its rows (B = [K, N] with N the columns, "N-major"), 8-row groups of K
 // are 1024 bytes apart and 64-column blocks of N are `block_bytes` apart.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace hmoe {
 namespace attn {
@@ -48,69 +50,103 @@ __device__ __forceinline__ void fence_regs(float* d) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (m64n32, fp32, 16 registers) += A B for 16-bit inputs from shared memory; scale_d = 0: d = A B.
-// TRANS_B = 1: B is N-major (its rows run along K); 0: K-major. One member per input type (bf16, f16).
-#define HMOE_WGMMA_64X32(FN, PTX)                                                                                     \
-  __device__ __forceinline__ static void FN(float* d, uint64_t a, uint64_t b, int scale_d) {                          \
-    asm volatile(                                                                                                     \
-        "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"                                                                \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX                                                     \
-        " {"                                                                                                          \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"                                        \
-        "}, %16, %17, p, 1, 1, 0, %19;\n}\n"                                                                          \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                    \
-        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                                \
-  }
-template <int TRANS_B>
-struct Wgmma64x32 {
-  HMOE_WGMMA_64X32(bf16, "bf16")
-  HMOE_WGMMA_64X32(f16, "f16")
-};
-#undef HMOE_WGMMA_64X32
+// The accumulator operands of a wgmma: "%0, ..., %15", "%16, ..., %31", ... (16 registers a
+// piece), and their constraints, d[i] .. d[i + n - 1] read and written.
+#define HMOE_ACC_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define HMOE_ACC_1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define HMOE_ACC_2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define HMOE_ACC_3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define HMOE_ACC_4 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define HMOE_ACC_5 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define HMOE_ACC_6 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
+#define HMOE_ACC_7 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define HMOE_ACC32 HMOE_ACC_0 ", " HMOE_ACC_1
+#define HMOE_ACC64 HMOE_ACC32 ", " HMOE_ACC_2 ", " HMOE_ACC_3
+#define HMOE_ACC128 HMOE_ACC64 ", " HMOE_ACC_4 ", " HMOE_ACC_5 ", " HMOE_ACC_6 ", " HMOE_ACC_7
+#define HMOE_D4(i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+#define HMOE_D16(i) HMOE_D4(i), HMOE_D4((i) + 4), HMOE_D4((i) + 8), HMOE_D4((i) + 12)
+#define HMOE_D32(i) HMOE_D16(i), HMOE_D16((i) + 16)
+#define HMOE_D64(i) HMOE_D32(i), HMOE_D32((i) + 32)
+#define HMOE_D128 HMOE_D64(0), HMOE_D64(64)
 
-// d (m64n256, fp32, 128 registers) += A B for 16-bit inputs from shared memory; scale_d = 0: d = A B.
-// TRANS_B = 1: B is N-major (its rows run along K); 0: K-major. One member per input type (bf16, f16).
-#define HMOE_WGMMA_64X256(FN, PTX)                                                                                     \
-  __device__ __forceinline__ static void FN(float* d, uint64_t a, uint64_t b, int scale_d) {                           \
-    asm volatile(                                                                                                      \
-        "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                                                \
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX "." PTX                                                     \
-        " {"                                                                                                           \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                       \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                             \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                             \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                             \
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                             \
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                             \
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                 \
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"               \
-        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"                                                                        \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),  \
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),      \
-          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),      \
-          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),      \
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),      \
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),      \
-          "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),      \
-          "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),      \
-          "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),      \
-          "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),      \
-          "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), \
-          "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),            \
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),            \
-          "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),            \
-          "+f"(d[126]), "+f"(d[127])                                                                                   \
-        : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                                 \
+// d (fp32) += A B for 16-bit inputs, both from shared memory (descriptors a, b); scale_d = 0:
+// d = A B. SHAPE is the PTX shape, ACC/OUTS its accumulators, AB the operand numbers of a and b,
+// SCALE and TRANS those of scale_d and TRANS_B (the enclosing struct's parameter).
+#define HMOE_WGMMA_SS(FN, SHAPE, PTX, ACC, OUTS, AB, SCALE, TRANS)                                                   \
+  __device__ __forceinline__ static void FN(float* d, uint64_t a, uint64_t b, int scale_d) {                         \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" SCALE                                                        \
+                 ", 0;\n"                                                                                            \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX "." PTX " {" ACC "}, " AB ", p, 1, 1, 0, %" TRANS \
+                 ";\n}\n"                                                                                            \
+                 : OUTS                                                                                              \
+                 : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                      \
   }
+// The same with A from registers (a[0..3]: this thread's part of the 64 x 16 A tile, the layout of
+// an m16n8k16 mma.sync A fragment per warp); B from shared memory.
+#define HMOE_WGMMA_RS(FN, SHAPE, PTX, ACC, OUTS, AB, SCALE, TRANS)                                                \
+  __device__ __forceinline__ static void FN(float* d, const uint32_t* a, uint64_t b, int scale_d) {               \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" SCALE                                                     \
+                 ", 0;\n"                                                                                         \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX "." PTX " {" ACC "}, " AB ", p, 1, 1, %" TRANS \
+                 ";\n}\n"                                                                                         \
+                 : OUTS                                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TRANS_B));               \
+  }
+
+// One struct per shape and operand source, one member per input type (bf16, f16). TRANS_B = 1: B
+// is N-major (its rows run along K); 0: K-major.
 template <int TRANS_B>
-struct Wgmma64x256 {
-  HMOE_WGMMA_64X256(bf16, "bf16")
-  HMOE_WGMMA_64X256(f16, "f16")
+struct Wgmma64x32 {  // d: 16 registers
+  HMOE_WGMMA_SS(bf16, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_D16(0), "%16, %17", "18", "19")
+  HMOE_WGMMA_SS(f16, "m64n32k16", "f16", HMOE_ACC_0, HMOE_D16(0), "%16, %17", "18", "19")
 };
-#undef HMOE_WGMMA_64X256
+template <int TRANS_B>
+struct Wgmma64x128 {  // d: 64 registers
+  HMOE_WGMMA_SS(bf16, "m64n128k16", "bf16", HMOE_ACC64, HMOE_D64(0), "%64, %65", "66", "67")
+  HMOE_WGMMA_SS(f16, "m64n128k16", "f16", HMOE_ACC64, HMOE_D64(0), "%64, %65", "66", "67")
+};
+template <int TRANS_B>
+struct Wgmma64x256 {  // d: 128 registers
+  HMOE_WGMMA_SS(bf16, "m64n256k16", "bf16", HMOE_ACC128, HMOE_D128, "%128, %129", "130", "131")
+  HMOE_WGMMA_SS(f16, "m64n256k16", "f16", HMOE_ACC128, HMOE_D128, "%128, %129", "130", "131")
+};
+template <int TRANS_B>
+struct WgmmaRs64x64 {  // d: 32 registers
+  HMOE_WGMMA_RS(bf16, "m64n64k16", "bf16", HMOE_ACC32, HMOE_D32(0), "{%32, %33, %34, %35}, %36", "37", "38")
+  HMOE_WGMMA_RS(f16, "m64n64k16", "f16", HMOE_ACC32, HMOE_D32(0), "{%32, %33, %34, %35}, %36", "37", "38")
+};
+template <int TRANS_B>
+struct WgmmaRs64x128 {  // d: 64 registers
+  HMOE_WGMMA_RS(bf16, "m64n128k16", "bf16", HMOE_ACC64, HMOE_D64(0), "{%64, %65, %66, %67}, %68", "69", "70")
+  HMOE_WGMMA_RS(f16, "m64n128k16", "f16", HMOE_ACC64, HMOE_D64(0), "{%64, %65, %66, %67}, %68", "69", "70")
+};
+#undef HMOE_WGMMA_SS
+#undef HMOE_WGMMA_RS
+#undef HMOE_D128
+#undef HMOE_D64
+#undef HMOE_D32
+#undef HMOE_D16
+#undef HMOE_D4
+#undef HMOE_ACC128
+#undef HMOE_ACC64
+#undef HMOE_ACC32
+#undef HMOE_ACC_0
+#undef HMOE_ACC_1
+#undef HMOE_ACC_2
+#undef HMOE_ACC_3
+#undef HMOE_ACC_4
+#undef HMOE_ACC_5
+#undef HMOE_ACC_6
+#undef HMOE_ACC_7
+
+// Op::bf16 or Op::f16 (one of the structs above) for the 16-bit input type T.
+template <typename Op, typename T, typename... Args>
+__device__ __forceinline__ void wgmma(Args... args) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    Op::bf16(args...);
+  else
+    Op::f16(args...);
+}
 
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).
 template <int N>

@@ -81,21 +81,6 @@ __device__ __forceinline__ void grid_dependents_may_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-template <typename T>
-__device__ __forceinline__ void mma_s(float* d, uint64_t a, uint64_t b, int scale_d) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    Wgmma64x32<0>::bf16(d, a, b, scale_d);
-  else
-    Wgmma64x32<0>::f16(d, a, b, scale_d);
-}
-template <typename T>
-__device__ __forceinline__ void mma_pv(float* d, uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    Wgmma64x256<1>::bf16(d, a, b, 1);
-  else
-    Wgmma64x256<1>::f16(d, a, b, 1);
-}
-
 // The producer: Q, then every tile of the split into the ring.
 __device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& maps, uint32_t smem, int box, int b,
                                         int head0, int len, int t0, int t1) {
@@ -180,8 +165,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int blk = 0; blk < kBlocks; ++blk)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        mma_s<T>(s, k_major(smem + Smem::q + blk * kBlockBytes + kk * 32),
-                 k_major(buf + blk * kBlockBytes + c * 32 * 128 + kk * 32), blk + kk > 0);
+        wgmma<Wgmma64x32<0>, T>(s, k_major(smem + Smem::q + blk * kBlockBytes + kk * 32),
+                                k_major(buf + blk * kBlockBytes + c * 32 * 128 + kk * 32), blk + kk > 0);
     wgmma_commit();
   };
 #pragma unroll
@@ -262,7 +247,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs<128>(o);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      mma_pv<T>(o, k_major(smem + Smem::p + kk * 32), n_major(buf + 4 * c * kBlockBytes + kk * 16 * 128, kBlockBytes));
+      wgmma<Wgmma64x256<1>, T>(o, k_major(smem + Smem::p + kk * 32),
+                               n_major(buf + 4 * c * kBlockBytes + kk * 16 * 128, kBlockBytes), 1);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<128>(o);
