@@ -1,6 +1,6 @@
 // Params struct, plan and limits of ragged_prefill and paged_prefill, shared by every variant of
-// the two ops (portable today; an sm90a family implements the same functions of
-// cuda/prefill/prefill.h with these structs).
+// the two ops (the portable family implements both, the sm90a family ragged_prefill: each the
+// functions of cuda/prefill/prefill.h with these structs).
 #pragma once
 #include <cstdint>
 

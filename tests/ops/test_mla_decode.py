@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import hmoe
-from hmoe import _build_info
 from hmoe.ops import _cuda, mla as mla_mod
 
 from .mla_reference import TOL, make_cache, mla_reference, rel_err
@@ -15,23 +14,11 @@ from .ptx_jit import run_forced_ptx
 
 DTYPES = [torch.bfloat16, torch.float16]
 SCALE = 1.0 / (192 ** 0.5)
+VARIANT_OP = "mla_decode"  # the op of the variant fixture (conftest.py)
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(params=["portable", "sm90a"])
-def variant(request):
-    """The family a test forces: portable on every GPU; sm90a on compute capability 9.0 with a build
-    that has it."""
-    if request.param == "sm90a":
-        cc = torch.cuda.get_device_capability()
-        if cc != (9, 0):
-            pytest.skip(f"the sm90a family runs on compute capability 9.0 only; this GPU is {cc[0]}.{cc[1]}")
-        if "sm90a" not in _build_info.cuda_kernels_for("mla_decode"):
-            pytest.skip("this build has no sm90a mla_decode module")
-    return request.param
 
 
 def serves(variant, index, H, page):

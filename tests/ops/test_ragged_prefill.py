@@ -1,5 +1,7 @@
 """ragged_prefill: the references and argument errors on the CPU; on the GPU against the fp64
-reference (dtype-derived tolerance) and the reference that rounds P where the kernel does (tight)."""
+reference (dtype-derived tolerance) and the reference that rounds P where the kernel does (tight),
+each GPU test once per variant (family) forced with variant=: portable, and sm90a on compute
+capability 9.0."""
 import math
 
 import pytest
@@ -13,6 +15,7 @@ from .prefill_reference import DTYPES, HEAD_DIMS, indptr, make_ragged, rel_err, 
 from .ptx_jit import run_forced_ptx
 
 SCALE = 192 ** -0.5
+VARIANT_OP = "ragged_prefill"  # the op of the variant fixture (conftest.py)
 
 
 def gen(seed):
@@ -121,11 +124,13 @@ def test_bad_input_without_gpu():
 
 # --- GPU ----------------------------------------------------------------------------------------
 
-def run_and_check(q, k, v, qo, kv, *, causal=True, scale=SCALE, tight=True):
-    """ragged_prefill into a NaN-poisoned out, against both references; returns (out, lse)."""
+def run_and_check(q, k, v, qo, kv, *, variant=None, causal=True, scale=SCALE, tight=True):
+    """ragged_prefill (forced to `variant`) into a NaN-poisoned out, against both references;
+    returns (out, lse)."""
     H, dv = q.shape[1], v.shape[2]
     out = torch.full((q.shape[0], H, dv), float("nan"), dtype=q.dtype, device="cuda")
-    got, lse = hmoe.ops.ragged_prefill(q, k, v, qo, kv, causal=causal, sm_scale=scale, return_lse=True, out=out)
+    got, lse = hmoe.ops.ragged_prefill(q, k, v, qo, kv, causal=causal, sm_scale=scale, return_lse=True, out=out,
+                                       variant=variant)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr() and got.dtype == q.dtype and lse.dtype == torch.float32
     ref, ref_lse = _reference.prefill(q, k, v, qo, kv, scale, causal)
@@ -135,7 +140,7 @@ def run_and_check(q, k, v, qo, kv, *, causal=True, scale=SCALE, tight=True):
     if seen.any():
         assert float((lse[seen].double() - ref_lse[seen]).abs().max()) < _reference.PREFILL_LSE_ATOL
     if tight:
-        p = prefill_mod.plan(q.get_device(), q.shape[0], len(qo) - 1, H, k.shape[1], q.shape[2], dv)
+        p = prefill_mod.plan(q.get_device(), q.shape[0], len(qo) - 1, H, k.shape[1], q.shape[2], dv, variant=variant)
         near, _ = _reference.prefill_rounded_p(q, k, v, qo, kv, scale, causal, tile_kv=p.tile_kv)
         assert rel_err(got, near) < tol(q.dtype, same_rounding=True)
     return got, lse
@@ -147,85 +152,118 @@ LENS = [0, 1, 7, 127, 128, 129, 300, 33, 0, 64]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
-def test_ragged_lengths_and_tile_boundaries(dtype, dims):
-    run_and_check(*make_ragged(LENS, LENS, 4, 4, dims, dtype, "cuda", gen(dims[0])))
+def test_ragged_lengths_and_tile_boundaries(dtype, dims, variant):
+    run_and_check(*make_ragged(LENS, LENS, 4, 4, dims, dtype, "cuda", gen(dims[0])), variant=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 4, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gqa(ratio, dtype):
+def test_gqa(ratio, dtype, variant):
     run_and_check(*make_ragged([65, 0, 200, 3], [65, 10, 260, 3], 2 * ratio, 2, (192, 128), dtype, "cuda",
-                               gen(ratio)))
+                               gen(ratio)), variant=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
-def test_fewer_queries_than_keys(causal, dims):
+def test_fewer_queries_than_keys(causal, dims, variant):
     # chunked prefill: each request's queries are the last of its keys
     run_and_check(*make_ragged([1, 50, 128, 0, 200, 5], [700, 50, 1000, 64, 333, 129], 3, 1, dims, torch.bfloat16,
-                               "cuda", gen(5)), causal=causal)
+                               "cuda", gen(5)), causal=causal, variant=variant)
 
 
 @pytest.mark.gpu
-def test_more_queries_than_keys():
+@pytest.mark.parametrize("causal", [True, False])
+def test_keys_of_other_requests_are_never_read(causal, variant):
+    # request 1 has keys but no queries, and NaN in all of them: a kernel that reads past request 0's
+    # keys (tile 1 ends 28 rows into them, its last 8-row group 4 rows short) or before request 2's
+    # picks NaN up (0 * NaN in P V); tails of 1 to 7 rows and exact tiles too
+    q_lens, kv_lens = [100, 0, 37, 3, 64], [100, 128, 261, 9, 128]
+    q, k, v, qo, kv = make_ragged(q_lens, kv_lens, 2, 2, (192, 128), torch.bfloat16, "cuda", gen(12))
+    k[100:228], v[100:228] = float("nan"), float("nan")
+    run_and_check(q, k, v, qo, kv, causal=causal, variant=variant)
+
+
+@pytest.mark.gpu
+def test_more_queries_than_keys(variant):
     # non-causal: allowed; causal: the first lq - lk queries see no key (out 0, lse -inf) unless
     # check_indices, which refuses it
     args = make_ragged([40, 300], [10, 129], 2, 2, (128, 128), torch.float16, "cuda", gen(6))
-    run_and_check(*args, causal=False)
-    _, lse = run_and_check(*args, causal=True)
+    run_and_check(*args, causal=False, variant=variant)
+    _, lse = run_and_check(*args, causal=True, variant=variant)
     assert torch.isneginf(lse[:30]).all() and torch.isfinite(lse[30:40]).all()
     with pytest.raises(ValueError, match="request 0 has 40 queries and 10 keys"):
         hmoe.ops.ragged_prefill(*args, sm_scale=SCALE, check_indices=True)
 
 
 @pytest.mark.gpu
+def test_no_keys_at_all(variant):
+    # every request has queries and no key (k and v have no rows): out 0, lse -inf
+    args = make_ragged([3, 130], [0, 0], 2, 2, (192, 128), torch.bfloat16, "cuda", gen(13))
+    _, lse = run_and_check(*args, causal=False, variant=variant)
+    assert torch.isneginf(lse).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_sequences(dtype):
-    run_and_check(*make_ragged([8192, 100], [8192, 100], 2, 1, (192, 128), dtype, "cuda", gen(7)))
+def test_long_sequences(dtype, variant):
+    run_and_check(*make_ragged([8192, 100], [8192, 100], 2, 1, (192, 128), dtype, "cuda", gen(7)), variant=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [-0.07, 0.0, 2.5])
-def test_any_scale(scale):
+def test_any_scale(scale, variant):
     # c <= 0 takes the masked softmax on every tile; a large scale makes the running max move often
-    run_and_check(*make_ragged([90, 130], [90, 200], 2, 2, (64, 64), torch.bfloat16, "cuda", gen(8)), scale=scale)
+    run_and_check(*make_ragged([90, 130], [90, 200], 2, 2, (64, 64), torch.bfloat16, "cuda", gen(8)), scale=scale,
+                  variant=variant)
 
 
 @pytest.mark.gpu
-def test_every_configuration(monkeypatch):
-    from hmoe.ops import _cuda
-
+def test_every_configuration(monkeypatch, variant):
     idx = torch.cuda.current_device()
     for dims in HEAD_DIMS:
         monkeypatch.delenv("HMOE_PREFILL_CONFIG", raising=False)
         args = make_ragged([200, 77], [260, 77], 4, 2, dims, torch.bfloat16, "cuda", gen(dims[1]))
-        default = prefill_mod.plan(idx, 277, 2, 4, 2, *dims)
+        default = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, variant=variant)
         assert default.tile_q in (128, 256) and default.max_items == 277 // default.tile_q + 2
         for c in range(8):
             try:
-                p = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, config=c)
+                p = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, config=c, variant=variant)
             except ValueError:  # another head dims' configuration, or one this device cannot hold
                 continue
             assert p.config == c
             monkeypatch.setenv("HMOE_PREFILL_CONFIG", str(c))
-            run_and_check(*args)
+            run_and_check(*args, variant=variant)
     monkeypatch.setenv("HMOE_PREFILL_CONFIG", "x")
     with pytest.raises(ValueError, match="HMOE_PREFILL_CONFIG"):
-        hmoe.ops.ragged_prefill(*args, sm_scale=SCALE)
-    assert _cuda.select("ragged_prefill", idx).variant == "portable"
+        hmoe.ops.ragged_prefill(*args, sm_scale=SCALE, variant=variant)
 
 
 @pytest.mark.gpu
-def test_nan_beyond_the_batch_and_clamped_indices():
+def test_hmoe_picks_sm90a_on_hopper_and_portable_elsewhere():
+    from hmoe import _build_info
+    from hmoe.ops import _cuda
+
+    idx = torch.cuda.current_device()
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    sel = _cuda.select("ragged_prefill", idx)
+    if hopper and "sm90a" in _build_info.cuda_kernels_for("ragged_prefill"):
+        assert (sel.variant, sel.reason) == ("sm90a", "native: sm_90a SASS")
+    else:
+        assert sel.variant == "portable"
+    assert _cuda.select("paged_prefill", idx).variant == "portable"  # sm90a has no paged form
+
+
+@pytest.mark.gpu
+def test_nan_beyond_the_batch_and_clamped_indices(variant):
     # make_ragged puts NaN rows right after each batch's k/v; indptr entries past the rows or
     # decreasing are clamped (never read outside k/v); check_indices names them instead
     q, k, v, qo, kv = make_ragged([100, 28], [100, 28], 2, 2, (192, 128), torch.bfloat16, "cuda", gen(9))
-    run_and_check(q, k, v, qo, kv)
+    run_and_check(q, k, v, qo, kv, variant=variant)
     for bad in ([0, 100, 10**6], [0, 120, 50], [-5, 100, 128]):
         kv_bad = torch.tensor(bad, dtype=torch.int32, device="cuda")
-        out = hmoe.ops.ragged_prefill(q, k, v, qo, kv_bad, sm_scale=SCALE, causal=False)
+        out = hmoe.ops.ragged_prefill(q, k, v, qo, kv_bad, sm_scale=SCALE, causal=False, variant=variant)
         torch.cuda.synchronize()
         assert torch.isfinite(out.float()).all()
         with pytest.raises(ValueError, match="kv_indptr"):
@@ -237,18 +275,18 @@ def test_nan_beyond_the_batch_and_clamped_indices():
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
-def test_cuda_graph_capture_and_replay_with_new_indptr(monkeypatch):
+def test_cuda_graph_capture_and_replay_with_new_indptr(monkeypatch, variant):
     total = 1000
     q, k, v, qo, kv = make_ragged([600, 400], [600, 400], 4, 2, (192, 128), torch.bfloat16, "cuda", gen(10))
     hmoe.prewarm()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        hmoe.ops.ragged_prefill(q, k, v, qo, kv, sm_scale=SCALE, return_lse=True)
+        hmoe.ops.ragged_prefill(q, k, v, qo, kv, sm_scale=SCALE, return_lse=True, variant=variant)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out, lse = hmoe.ops.ragged_prefill(q, k, v, qo, kv, sm_scale=SCALE, return_lse=True)
+        out, lse = hmoe.ops.ragged_prefill(q, k, v, qo, kv, sm_scale=SCALE, return_lse=True, variant=variant)
     for lens in ([1000, 0], [1, 999], [130, 870], [500, 500]):
         qo.copy_(indptr(lens))
         kv.copy_(indptr(lens))
@@ -262,7 +300,7 @@ def test_cuda_graph_capture_and_replay_with_new_indptr(monkeypatch):
     monkeypatch.setattr(_cuda, "_warm", set())
     with pytest.raises(RuntimeError, match="prewarm"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            hmoe.ops.ragged_prefill(q, k, v, qo, kv, sm_scale=SCALE)
+            hmoe.ops.ragged_prefill(q, k, v, qo, kv, sm_scale=SCALE, variant=variant)
 
 
 PTX_CHECK = """
@@ -286,10 +324,10 @@ def test_ptx_path_in_a_subprocess():
 
 
 @pytest.mark.gpu
-def test_bad_input_on_gpu():
+def test_bad_input_on_gpu(variant):
     q, k, v, qo, kv = make_ragged([5, 6], [5, 6], 4, 2, (128, 128), torch.bfloat16, "cuda", gen(11))
     call = lambda **kw: hmoe.ops.ragged_prefill(**{**dict(q=q, k=k, v=v, qo_indptr=qo, kv_indptr=kv,  # noqa: E731
-                                                          sm_scale=SCALE), **kw})
+                                                          sm_scale=SCALE, variant=variant), **kw})
     with pytest.raises(TypeError, match="k has dtype float16, q bfloat16"):
         call(k=k.half())
     with pytest.raises(TypeError, match="qo_indptr must have dtype int32"):

@@ -1,0 +1,526 @@
+// Prefill (ragged_prefill) for Hopper, sm_90a only: wgmma, TMA and warp specialisation. The same
+// op, params, request bounds, schedule (prefill_schedule.cuh), online-softmax rules and precision
+// contract as the portable kernel (prefill_kernel.cuh); paged_prefill stays with the portable family.
+//
+// One CTA = one q tile of 128 rows (one request, one head) and three warpgroups; keys and values
+// come in tiles of 128 rows through a ring of two K and two V buffers. Shared memory holds Q and
+// the ring as 64-column blocks of 128 rows in the TMA's 128-byte swizzle (attention/wgmma.cuh).
+//   producer    warp 0, one thread: Q's boxes (64 rows each consumer), then each tile's K and V
+//               boxes on the buffer's "full" mbarriers once its "empty" ones say both consumers are
+//               done with it. A tile that ends inside the request's keys (its last) is copied in
+//               8-row boxes that stay inside them; warp 1 copies the last 1 to 7 rows itself and
+//               zeroes the V rows past them, so no row outside [kv_indptr[b], kv_indptr[b+1]) is
+//               read and stale rows never meet P.
+//   consumer c  (c = 0, 1; 128 threads each) owns query rows [64c, 64c + 64) of the tile:
+//               S = Q K^T     wgmma m64n128k16, both operands in shared memory, fp32
+//               softmax       online, in registers (attention/softmax.cuh's lazy max; the mask
+//                             only on tiles that cross the causal diagonal or the keys' end)
+//               O += P V      wgmma m64n<Dv>k16 with P from registers (rounded to the input
+//                             dtype), V N-major from shared memory, fp32 O in registers
+//               S of tile t is issued before P V of tile t - 1, so the softmax of tile t runs
+//               while the tensor cores do P V; the other consumer interleaves too.
+// The output is rounded once, staged in the consumer's own Q rows and written in 16-byte rows.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "attention/mma.cuh"
+#include "attention/softmax.cuh"
+#include "attention/wgmma.cuh"
+#include "common/cuda_util.h"
+#include "common/dtype.h"
+#include "common/tma_host.h"
+#include "prefill/prefill.h"
+#include "prefill/prefill_schedule.cuh"
+
+namespace hmoe {
+namespace {
+
+using namespace attn::sm90;
+using attn::exp2_ftz;
+using prefill::Request;
+
+constexpr int kBM = 128;           // query rows per CTA: two consumers of 64 (wgmma's M)
+constexpr int kRows = 64;          // query rows per consumer
+constexpr int kBN = 128;           // keys per tile
+constexpr int kStages = 2;         // K and V buffers each
+constexpr int kBlock = 128 * 128;  // a 64-column block of 128 rows (Q or a K/V tile)
+constexpr int kThreads = 384;      // producer warpgroup + 2 consumer warpgroups
+constexpr int kLast = 8;           // rows of the boxes of a tile's last part
+
+// Shared memory, offsets from a 1024-byte aligned base (the launcher adds 1024 bytes of slack).
+template <int DQK, int DV>
+struct Layout {
+  static constexpr int kQBlocks = DQK / 64, kVBlocks = DV / 64;
+  static constexpr int q = 0;
+  static constexpr int k = q + kQBlocks * kBlock;               // [stage][block]
+  static constexpr int v = k + kStages * kQBlocks * kBlock;     // [stage][block]
+  static constexpr int bars = v + kStages * kVBlocks * kBlock;  // full_k, full_v, empty_k, empty_v [kStages]; q [2]
+  static constexpr int end = bars + 8 * (4 * kStages + 2);
+  static constexpr int bytes = end + 1024;
+  static_assert(DQK % 64 == 0 && DV % 64 == 0 && DV <= DQK && (DV == 64 || DV == 128),
+                "whole 64-column blocks; O (<= 128 columns) is staged in Q's rows");
+};
+
+// q [total_q, H * Dqk] in boxes of 64 x 64; k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] in
+// boxes of 64 x kBN (a whole tile) and 64 x kLast (a tile's last part); all 128-byte swizzled.
+struct Maps {
+  CUtensorMap q, k, k_last, v, v_last;
+};
+
+template <int DV, typename T>
+__device__ __forceinline__ void mma_pv(float* o, const uint32_t* p, uint64_t v) {
+  if constexpr (DV == 128)
+    wgmma<WgmmaRs64x128<1>, T>(o, p, v, 1);
+  else
+    wgmma<WgmmaRs64x64<1>, T>(o, p, v, 1);
+}
+
+__device__ __forceinline__ void st_shared16(uint32_t dst, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_global16(const void* src) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  return v;
+}
+__device__ __forceinline__ void st_global16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Row `row` (0..127) of a tile, 16-byte chunk `chunk` (8 a block), in the 128-byte swizzle.
+__device__ __forceinline__ uint32_t tile_chunk(int row, int chunk) {
+  return (chunk / 8) * kBlock + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+// Where tile t of a request lies: rows [row0, row0 + rows) of k and v; `whole` of them (a multiple
+// of 8, all when the tile is full) come by TMA.
+struct TileRows {
+  int row0, rows, whole;
+  __device__ __forceinline__ TileRows(const Request& r, int t)
+      : row0(r.kv0 + t * kBN), rows(min(kBN, r.lk - t * kBN)), whole(rows == kBN ? kBN : rows / kLast * kLast) {}
+};
+
+// The producer's TMA thread: Q, then tile by tile K and V of the request's keys.
+template <int DQK, int DV>
+__device__ __forceinline__ void produce(const Maps& maps, uint32_t smem, const Request& r, int q_row0, int q_rows,
+                                        int h, int kvh, int n_tiles) {
+  using L = Layout<DQK, DV>;
+  const uint32_t full_k = smem + L::bars, full_v = full_k + 8 * kStages, empty_k = full_v + 8 * kStages,
+                 empty_v = empty_k + 8 * kStages, qbar = empty_v + 8 * kStages;
+  for (int c = 0; c < 2 && kRows * c < q_rows; ++c) {
+    mbar_expect_tx(qbar + 8 * c, L::kQBlocks * kRows * 128);
+    for (int blk = 0; blk < L::kQBlocks; ++blk)
+      tma_load_2d(smem + L::q + blk * kBlock + kRows * c * 128, &maps.q, h * DQK + 64 * blk, q_row0 + kRows * c,
+                  qbar + 8 * c);
+  }
+  // One matrix (K or V: `blocks` 64-column blocks from column col0) of tile t into `buf`.
+  auto load = [&](const CUtensorMap* whole_map, const CUtensorMap* last_map, int blocks, int col0, uint32_t buf,
+                  uint32_t bar, const TileRows& tr) {
+    mbar_expect_tx(bar, blocks * tr.whole * 128);
+    if (tr.whole == kBN) {
+      for (int blk = 0; blk < blocks; ++blk) tma_load_2d(buf + blk * kBlock, whole_map, col0 + 64 * blk, tr.row0, bar);
+    } else {
+      for (int g = 0; g < tr.whole; g += kLast)
+        for (int blk = 0; blk < blocks; ++blk)
+          tma_load_2d(buf + blk * kBlock + g * 128, last_map, col0 + 64 * blk, tr.row0 + g, bar);
+    }
+  };
+#pragma unroll 1
+  for (int t = 0; t < n_tiles; ++t) {
+    const int stage = t % kStages;
+    const TileRows tr(r, t);
+    if (t >= kStages) mbar_wait(empty_k + 8 * stage, ((t / kStages) - 1) & 1);
+    load(&maps.k, &maps.k_last, L::kQBlocks, kvh * DQK, smem + L::k + stage * L::kQBlocks * kBlock, full_k + 8 * stage,
+         tr);
+    if (t >= kStages) mbar_wait(empty_v + 8 * stage, ((t / kStages) - 1) & 1);
+    load(&maps.v, &maps.v_last, L::kVBlocks, kvh * DV, smem + L::v + stage * L::kVBlocks * kBlock, full_v + 8 * stage,
+         tr);
+  }
+}
+
+// The producer's warp 1: of each tile that ends inside the keys, the rows past its last 8-row box
+// (copied) and, in V, the rows past the keys (zeros); then its arrival on the tile's full barriers.
+template <int DQK, int DV>
+__device__ __forceinline__ void produce_last_rows(const PrefillParams& p, uint32_t smem, const Request& r, int kvh,
+                                                  int n_tiles) {
+  using L = Layout<DQK, DV>;
+  const uint32_t full_k = smem + L::bars, full_v = full_k + 8 * kStages, empty_k = full_v + 8 * kStages,
+                 empty_v = empty_k + 8 * kStages;
+  const int lane = threadIdx.x % 32;
+#pragma unroll 1
+  for (int t = 0; t < n_tiles; ++t) {
+    const int stage = t % kStages;
+    const TileRows tr(r, t);
+    if (t >= kStages) mbar_wait(empty_k + 8 * stage, ((t / kStages) - 1) & 1);
+    if (tr.whole < kBN) {
+      constexpr int kChunks = DQK / 8;
+      const uint32_t buf = smem + L::k + stage * L::kQBlocks * kBlock;
+      const char* src = static_cast<const char*>(p.k) + (int64_t(tr.row0) * p.kv_heads + kvh) * DQK * 2;
+      for (int i = lane; i < (tr.rows - tr.whole) * kChunks; i += 32) {
+        const int row = tr.whole + i / kChunks, chunk = i % kChunks;
+        st_shared16(buf + tile_chunk(row, chunk), ld_global16(src + int64_t(row) * p.kv_heads * DQK * 2 + chunk * 16));
+      }
+      fence_async_smem();  // generic-proxy writes visible to the consumers' wgmma
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(full_k + 8 * stage);
+    if (t >= kStages) mbar_wait(empty_v + 8 * stage, ((t / kStages) - 1) & 1);
+    if (tr.whole < kBN) {
+      constexpr int kChunks = DV / 8;
+      const uint32_t buf = smem + L::v + stage * L::kVBlocks * kBlock;
+      const char* src = static_cast<const char*>(p.v) + (int64_t(tr.row0) * p.kv_heads + kvh) * DV * 2;
+      for (int i = lane; i < (kBN - tr.whole) * kChunks; i += 32) {
+        const int row = tr.whole + i / kChunks, chunk = i % kChunks;
+        st_shared16(buf + tile_chunk(row, chunk),
+                    row < tr.rows ? ld_global16(src + int64_t(row) * p.kv_heads * DV * 2 + chunk * 16)
+                                  : make_uint4(0, 0, 0, 0));
+      }
+      fence_async_smem();
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(full_v + 8 * stage);
+  }
+}
+
+template <typename T, int DQK, int DV>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_sm90a_kernel(const PrefillParams p, const __grid_constant__ Maps maps) {
+  using L = Layout<DQK, DV>;
+  extern __shared__ __align__(1024) unsigned char smem_window[];
+  const uint32_t smem = (attn::smem_addr(smem_window) + 1023) & ~1023u;
+  const uint32_t full_k = smem + L::bars, full_v = full_k + 8 * kStages, empty_k = full_v + 8 * kStages,
+                 empty_v = empty_k + 8 * kStages, qbar = empty_v + 8 * kStages;
+
+  const int slot = blockIdx.x % p.max_items, h = blockIdx.x / p.max_items;
+  const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
+  if (item.x < 0) return;  // an unused slot of the work list
+  const int b = item.x, q_first = item.y * kBM;
+  const Request r = prefill::request(p, b);
+  const int q_rows = min(kBM, r.lq - q_first);
+  const int kvh = h / (p.heads / p.kv_heads);
+  const int n_tiles = (prefill::visible_keys(r, p.causal, q_first + q_rows - 1) + kBN - 1) / kBN;
+  T* out = static_cast<T*>(p.out) + (int64_t(r.q0 + q_first) * p.heads + h) * DV;
+
+  if (n_tiles == 0) {  // no key for any row: out = 0, lse = -inf
+    for (int i = threadIdx.x; i < q_rows * (DV / 8); i += kThreads)
+      st_global16(out + int64_t(i / (DV / 8)) * p.heads * DV + (i % (DV / 8)) * 8, make_uint4(0, 0, 0, 0));
+    if (p.lse != nullptr)
+      for (int i = threadIdx.x; i < q_rows; i += kThreads) p.lse[int64_t(r.q0 + q_first + i) * p.heads + h] = -INFINITY;
+    return;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_k + 8 * s, 2);  // the TMA thread's arrival (with the bytes) and warp 1's
+      mbar_init(full_v + 8 * s, 2);
+      mbar_init(empty_k + 8 * s, 2);  // one arrival per consumer
+      mbar_init(empty_v + 8 * s, 2);
+    }
+    mbar_init(qbar, 1);
+    mbar_init(qbar + 8, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {  // producer
+    // The launch gives every thread 168 registers (__launch_bounds__(384, 1)); a consumer's
+    // setmaxnreg.inc waits until the producer's dec has freed what it asks for: 40 + 2 x 232 = 3 x 168.
+    regs_shrink<40>();
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) produce<DQK, DV>(maps, smem, r, r.q0 + q_first, q_rows, h, kvh, n_tiles);
+    if (warp == 1) produce_last_rows<DQK, DV>(p, smem, r, kvh, n_tiles);
+    return;
+  }
+  regs_grow<232>();
+  const int c = wg - 1, tid = threadIdx.x - 128 * wg, warp = tid / 32, lane = tid % 32;
+  const int r0 = 16 * warp + lane / 4;  // this thread's rows of the consumer's 64: r0 and r0 + 8
+  const int q4 = lane % 4;
+  const int rows = min(kRows, q_rows - kRows * c);  // <= 0: this consumer has no query row
+  const int first = q_first + kRows * c;            // its first row within the request
+  const int n_own = rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0;
+  const float scale = p.sm_scale * attn::kLog2e;
+  // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
+  const int n_full = rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0;
+
+  float s[64], o[DV / 2], m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  uint32_t pk[8][4];  // P of the last tile, rounded to T: the A fragments of P V's 8 k16 steps
+#pragma unroll
+  for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
+
+  auto k_buf = [&](int t) { return smem + L::k + (t % kStages) * L::kQBlocks * kBlock; };
+  auto v_buf = [&](int t) { return smem + L::v + (t % kStages) * L::kVBlocks * kBlock; };
+  auto wait_full = [&](uint32_t bars, int t) { mbar_wait(bars + 8 * (t % kStages), (t / kStages) & 1); };
+  auto release = [&](uint32_t bars, int t) {
+    if (tid == 0) mbar_arrive(bars + 8 * (t % kStages));
+  };
+  auto issue_s = [&](int t) {  // S = Q K^T for tile t (asynchronous)
+    wgmma_fence();
+#pragma unroll
+    for (int blk = 0; blk < L::kQBlocks; ++blk)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma<Wgmma64x128<0>, T>(s, k_major(smem + L::q + blk * kBlock + kRows * c * 128 + kk * 32),
+                                 k_major(k_buf(t) + blk * kBlock + kk * 32), blk + kk > 0);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int t) {  // O += P V for tile t (asynchronous)
+    wgmma_fence();
+    fence_regs<DV / 2>(o);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], n_major(v_buf(t) + kk * 16 * 128, kBlock));
+    wgmma_commit();
+  };
+  // Online softmax of tile t in place: s becomes P (fp32); returns the rows' rescale factors.
+  // s[4j + e] is row r0 + 8 (e / 2), key 8j + 2 q4 + e % 2 of the tile. Fast path (no mask):
+  // the row max of the raw scores times scale, p = 2^(s scale - m) in one FFMA and one ex2.
+  // Masked path: scores scaled first (any sign of scale), keys the row does not see set to -inf.
+  auto softmax = [&](int t, const bool masked, float (&alpha)[2]) {
+    float mx[2] = {-INFINITY, -INFINITY};
+    if (masked) {
+      int lim[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) lim[hf] = prefill::visible_keys(r, p.causal, first + r0 + 8 * hf) - t * kBN;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& x = s[4 * j + e];
+          x = 8 * j + 2 * q4 + (e & 1) < lim[e >> 1] ? x * scale : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      mx[0] *= scale, mx[1] *= scale;
+    }
+    float m_new[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      mx[hf] = warp_max<4>(mx[hf]);  // the row's 4 threads
+      m_new[hf] = attn::next_max(m_run[hf], mx[hf]);
+      alpha[hf] = attn::rescale(m_run[hf], m_new[hf]);
+      m_run[hf] = m_new[hf];
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float& x = s[4 * j + e];
+        x = exp2_ftz(masked ? x - m_new[e >> 1] : fmaf(x, scale, -m_new[e >> 1]));
+        sum[e >> 1] += x;
+      }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) l_run[hf] = l_run[hf] * alpha[hf] + sum[hf];
+  };
+  auto round_p = [&]() {  // P rounded to T (the precision contract), packed as P V's A fragments
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pk[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int j = 0; j < DV / 8; ++j) {
+        o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
+      }
+    }
+  };
+  constexpr bool kMask = true, kWhole = false;  // softmax's literal flags
+
+  if (rows > 0) mbar_wait(qbar + 8 * c, 0);  // also when no row sees a key: the copy must land first
+  if (n_own > 0) {
+    float alpha[2];
+    wait_full(full_k, 0);
+    issue_s(0);
+    wgmma_wait<0>();
+    fence_regs<64>(s);
+    release(empty_k, 0);
+    if (0 >= n_full)
+      softmax(0, kMask, alpha);
+    else
+      softmax(0, kWhole, alpha);
+    round_p();
+    for (int t = 1; t < n_own; ++t) {
+      wait_full(full_k, t);
+      issue_s(t);
+      wait_full(full_v, t - 1);
+      issue_pv(t - 1);
+      wgmma_wait<1>();  // S of tile t (P V of tile t - 1 still runs)
+      fence_regs<64>(s);
+      release(empty_k, t);
+      if (t >= n_full)
+        softmax(t, kMask, alpha);
+      else
+        softmax(t, kWhole, alpha);
+      wgmma_wait<0>();
+      fence_regs<DV / 2>(o);
+      release(empty_v, t - 1);
+      rescale_o(alpha);
+      round_p();
+    }
+    wait_full(full_v, n_own - 1);
+    issue_pv(n_own - 1);
+    wgmma_wait<0>();
+    fence_regs<DV / 2>(o);
+    release(empty_v, n_own - 1);
+  }
+  for (int t = n_own; t < n_tiles; ++t) {  // tiles past this consumer's rows' keys: let them go
+    wait_full(full_k, t);
+    release(empty_k, t);
+    wait_full(full_v, t);
+    release(empty_v, t);
+  }
+  if (rows <= 0) return;
+
+  // Normalise, round once, stage in this consumer's own Q rows, write.
+  named_sync(1 + c, 128);  // every warp of this consumer is done reading its Q rows
+  float inv[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const float l = warp_sum<4>(l_run[hf]);
+    inv[hf] = l > 0.f ? 1.f / l : 0.f;
+    const int row = r0 + 8 * hf;
+    if (p.lse != nullptr && q4 == 0 && row < rows)
+      p.lse[int64_t(r.q0 + first + row) * p.heads + h] = attn::lse2(m_run[hf], l) * attn::kLn2;
+  }
+  const uint32_t stage = smem + L::q;
+#pragma unroll
+  for (int j = 0; j < DV / 8; ++j)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int row = kRows * c + r0 + 8 * hf, col = 8 * j + 2 * q4;
+      const uint32_t v = pack2<T>(o[4 * j + 2 * hf] * inv[hf], o[4 * j + 2 * hf + 1] * inv[hf]);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + (col / 64) * kBlock + swizzled(row, col % 64)), "r"(v)
+                   : "memory");
+    }
+  named_sync(1 + c, 128);
+  constexpr int kChunks = DV / 8;
+  for (int i = tid; i < kRows * kChunks; i += 128) {
+    const int row = i / kChunks, chunk = i % kChunks;
+    if (row >= rows) break;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(stage + tile_chunk(kRows * c + row, chunk))
+                 : "memory");
+    st_global16(out + int64_t(kRows * c + row) * p.heads * DV + chunk * 8, v);
+  }
+}
+
+void check(cudaError_t e, const char* what) { check_cuda(e, "ragged_prefill (sm90a)", what); }
+
+int device_attr(int device, cudaDeviceAttr attr) {
+  int v = 0;
+  check(cudaDeviceGetAttribute(&v, attr, device), "device attribute");
+  return v;
+}
+
+// f(kernel, smem bytes) for the kernel of (dtype, head dims).
+template <typename F>
+void with_kernel(int dtype, int dqk, int dv, F&& f) {
+  auto dims = [&](auto kbf16, auto kf16, int bytes) { dtype == kBF16 ? f(kbf16, bytes) : f(kf16, bytes); };
+  if (dqk == 192 && dv == 128)
+    dims(prefill_sm90a_kernel<__nv_bfloat16, 192, 128>, prefill_sm90a_kernel<__half, 192, 128>,
+         Layout<192, 128>::bytes);
+  else if (dqk == 128 && dv == 128)
+    dims(prefill_sm90a_kernel<__nv_bfloat16, 128, 128>, prefill_sm90a_kernel<__half, 128, 128>,
+         Layout<128, 128>::bytes);
+  else if (dqk == 64 && dv == 64)
+    dims(prefill_sm90a_kernel<__nv_bfloat16, 64, 64>, prefill_sm90a_kernel<__half, 64, 64>, Layout<64, 64>::bytes);
+  else
+    throw std::invalid_argument("ragged_prefill (sm90a): head dims (" + std::to_string(dqk) + ", " +
+                                std::to_string(dv) + ") are not built");
+}
+
+}  // namespace
+
+PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int kv_heads, int head_dim_qk,
+                         int head_dim_v, int config) {
+  if (config > 0)
+    throw std::invalid_argument("ragged_prefill (sm90a): configuration " + std::to_string(config) +
+                                " does not exist (there is one, 0)");
+  int smem = 0;
+  with_kernel(kBF16, head_dim_qk, head_dim_v, [&](auto, int bytes) { smem = bytes; });
+  if (device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin) < smem)
+    throw std::runtime_error("ragged_prefill (sm90a): the device's shared memory per block is below " +
+                             std::to_string(smem) + " bytes");
+  PrefillPlan plan{};
+  plan.config = 0;
+  plan.tile_q = kBM;
+  plan.tile_kv = kBN;
+  plan.kv_stages = kStages;
+  plan.smem_bytes = smem;
+  plan.ctas_per_sm = 1;
+  const int64_t items = total_q / kBM + batch;  // every request's last q tile may be partial
+  if (items * heads > INT32_MAX)
+    throw std::invalid_argument("ragged_prefill: " + std::to_string(items) + " q tiles x " + std::to_string(heads) +
+                                " heads exceed the CUDA grid (2^31 - 1 CTAs)");
+  plan.max_items = int32_t(items);
+  plan.workspace = int32_t(prefill::ScheduleLayout(batch, plan.max_items).words);
+  (void)kv_heads;  // the plan is the same for every GQA ratio
+  return plan;
+}
+
+void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device, uintptr_t stream_handle) {
+  if (p0.dtype != kBF16 && p0.dtype != kF16) throw std::invalid_argument("prefill: dtype must be bf16 or fp16");
+  if (p0.kv != kPrefillRagged)
+    throw std::invalid_argument(
+        "prefill (sm90a): only ragged keys and values (paged_prefill is the portable family's)");
+  if (plan.config != 0 || plan.tile_q != kBM || plan.max_items != int64_t(p0.total_q) / kBM + p0.batch ||
+      plan.workspace != prefill::ScheduleLayout(p0.batch, plan.max_items).words || p0.heads % p0.kv_heads != 0)
+    throw std::invalid_argument("prefill: the plan does not fit this call (compute it with prefill_plan)");
+  if (p0.batch == 0 || p0.total_q == 0) return;
+  const DeviceGuard guard(device, "ragged_prefill");
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  PrefillParams p = p0;
+  p.max_items = plan.max_items;
+  prefill::prefill_schedule_kernel<prefill::kScheduleThreads><<<1, prefill::kScheduleThreads, 0, stream>>>(p, kBM);
+  check(cudaGetLastError(), "schedule launch");
+  const char* op = "ragged_prefill";
+  const auto sw = CU_TENSOR_MAP_SWIZZLE_128B;
+  Maps maps;
+  maps.q = tensor_map_2d(p.q, p.total_q, int64_t(p.heads) * p.head_dim_qk, 64, kRows, sw, op);
+  // No keys at all: no tile is ever loaded, but the maps must encode (over q; never read).
+  const bool keys = p.total_kv > 0;
+  const void* k = keys ? p.k : p.q;
+  const void* v = keys ? p.v : p.q;
+  const int64_t kv_rows = keys ? p.total_kv : 1;
+  const int64_t k_cols = keys ? int64_t(p.kv_heads) * p.head_dim_qk : 64;
+  const int64_t v_cols = keys ? int64_t(p.kv_heads) * p.head_dim_v : 64;
+  maps.k = tensor_map_2d(k, kv_rows, k_cols, 64, kBN, sw, op);
+  maps.k_last = tensor_map_2d(k, kv_rows, k_cols, 64, kLast, sw, op);
+  maps.v = tensor_map_2d(v, kv_rows, v_cols, 64, kBN, sw, op);
+  maps.v_last = tensor_map_2d(v, kv_rows, v_cols, 64, kLast, sw, op);
+  const dim3 grid(unsigned(int64_t(plan.max_items) * p.heads));
+  with_kernel(p.dtype, p.head_dim_qk, p.head_dim_v,
+              [&](auto kernel, int bytes) { kernel<<<grid, kThreads, bytes, stream>>>(p, maps); });
+  check(cudaGetLastError(), "kernel launch");
+}
+
+void prefill_prewarm(int device) {
+  const DeviceGuard guard(device, "ragged_prefill");
+  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  for (int dtype : {kBF16, kF16})
+    for (const auto& d : kPrefillHeadDims)
+      with_kernel(dtype, d[0], d[1], [&](auto kernel, int bytes) {
+        if (bytes <= limit)
+          check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
+      });
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, prefill::prefill_schedule_kernel<prefill::kScheduleThreads>), "schedule kernel");
+  encode_tiled("ragged_prefill");
+}
+
+}  // namespace hmoe
