@@ -158,9 +158,13 @@ __device__ __forceinline__ void regs_shrink() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: wait for all of them, or
+// (named_arrive) count this thread's arrival and go on.
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Generic-proxy writes to shared memory visible to the async proxy (wgmma operands, TMA).

@@ -85,18 +85,20 @@ class FakeWrapper:
         return out
 
 
-def fake_run(monkeypatch, hmoe_out, fi_skip=None):
+def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,)):
+    """The rows of one case run with fakes: hmoe's output from hmoe_out(inp, c) (hmoe 10 us, or
+    8 us for a variant named 'fast'), flashinfer's from the fake wrapper (fa2 15 us, fa3 12 us)."""
     times = {"hmoe": 10.0, "fa2": 15.0, "fa3": 12.0}
 
     def measure(fn, c, opts, flush, peak):
         FakeWrapper.last = None
-        fn()
-        us = times[FakeWrapper.last or "hmoe"]
+        got = fn()
+        us = 8.0 if FakeWrapper.last is None and got == "fast" else times[FakeWrapper.last or "hmoe"]
         return {"us": us, "timing": "graph", "timing_note": None, "tflops": bench.flops(c) / (us * 1e6),
                 "floor_us": 1.0, "x_floor": us}
 
-    def hmoe_runner(inp, c, opts):
-        return (lambda: None), hmoe_out(inp, c)
+    def hmoe_runner(inp, c, variant):
+        return (lambda: variant), hmoe_out(inp, c)
 
     monkeypatch.setattr(bench, "measure", measure)
     monkeypatch.setattr(bench, "hmoe_runner", hmoe_runner)
@@ -104,9 +106,10 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     fi = types.SimpleNamespace(prefill=types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=FakeWrapper))
-    o = types.SimpleNamespace(dtype="bf16", device=torch.device("cpu"), seed=3, eager=False, variant=None)
+    o = types.SimpleNamespace(dtype="bf16", device=torch.device("cpu"), seed=3, eager=False, variants=list(variants))
     c = bench.Case("t", [20, 0, 33], 64, 64, 3, 1, True)
-    return bench.run_case(c, o, fi, fi_skip or {}, 800.0, None, lambda m: None)
+    rows = bench.run_case(c, o, fi, fi_skip or {}, 800.0, None, lambda m: None)
+    return rows if len(variants) > 1 else rows[0]
 
 
 def right(inp, c):
@@ -127,6 +130,15 @@ def test_run_case_checks_against_reference_and_flashinfer(monkeypatch):
     assert row["flashinfer"]["fa2"]["speedup"] == 1.5 and row["flashinfer"]["fa3"]["speedup"] == 1.2
     line = bench.format_row(row)
     assert line.startswith("t 64x64 H3/1") and "1.50x" in line and "1.20x" in line and " ok ref " in line
+
+
+def test_every_variant_is_a_row_beside_one_flashinfer_timing(monkeypatch):
+    rows = fake_run(monkeypatch, right, variants=("slow", "fast"))
+    assert [r["variant"] for r in rows] == ["slow", "fast"] and not any(r["failed"] for r in rows)
+    assert [r["flashinfer"]["fa3"]["speedup"] for r in rows] == [1.2, 1.5]
+    assert {ch["what"] for ch in rows[1]["checks"]} == {"hmoe vs ref", "fa2 vs ref", "fa3 vs ref", "hmoe vs fa2",
+                                                        "hmoe vs fa3"}
+    assert " fast " in bench.format_row(rows[1]) and "1.50x" in bench.format_row(rows[1])
 
 
 def test_wrong_hmoe_output_fails(monkeypatch):
@@ -186,10 +198,12 @@ def test_tiny_end_to_end(tmp_path, capsys, mode):
     out = capsys.readouterr().out
     assert rc == 0, out
     data = json.loads(path.read_text())
-    assert data["failures"] == 0 and data["matmul"]["tflops"] > 0 and len(data["results"]) == 2
+    variants = sorted({r["variant"] for r in data["results"]})
+    assert data["failures"] == 0 and data["matmul"]["tflops"] > 0 and len(data["results"]) == 2 * len(variants)
+    assert "portable" in variants
     for r in data["results"]:
         assert r["hmoe"]["us"] > 0 and r["hmoe"]["timing"] == ("eager" if mode else "graph"), r["hmoe"]
         assert r["hmoe"]["x_floor"] > 1 and any(c["what"] == "hmoe vs ref" and c["ok"] for c in r["checks"])
         for backend, res in r["flashinfer"].items():
             assert "us" not in res or any(c["what"] == f"{backend} vs ref" and c["ok"] for c in r["checks"]), r
-    assert "all hmoe outputs check out" in out and "hmoe variant: portable (" in out
+    assert "all hmoe outputs check out" in out and "hmoe variants: " in out and "portable (" in out

@@ -102,22 +102,22 @@ def measure(fn, c: Case, opts, flush, peak_tflops: float) -> dict:
     return dict(res, tflops=flops(c) / (med * 1e6), floor_us=floor, x_floor=med / floor)
 
 
-def hmoe_runner(inp, c: Case, opts):
+def hmoe_runner(inp, c: Case, variant):
     import hmoe
 
     out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
     fn = lambda: hmoe.ops.ragged_prefill(inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr,  # noqa: E731
-                                         causal=c.causal, sm_scale=c.dqk ** -0.5, variant=opts.variant, out=out)
+                                         causal=c.causal, sm_scale=c.dqk ** -0.5, variant=variant, out=out)
     fn()  # eager first: the module's lazy work and the shape's plan, not mid-capture
     return fn, out
 
 
-def hmoe_plan(inp, c: Case, opts) -> str | None:
+def hmoe_plan(inp, c: Case, opts, variant) -> str | None:
     from hmoe.ops import prefill
 
     try:
         return prefill.plan(opts.device.index, inp.q.shape[0], len(c.lens), c.H, c.Hkv, c.dqk, c.dv,
-                            variant=opts.variant).describe()
+                            variant=variant).describe()
     except Exception as e:  # noqa: BLE001 - the plan is a note; the timing already stands
         return f"unknown ({error_text(e)})"
 
@@ -141,33 +141,51 @@ def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
     return fn, out
 
 
-def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progress) -> dict:
-    """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
+def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progress) -> list[dict]:
+    """The case's table rows, one per hmoe variant of opts.variants (None: hmoe's choice) on the
+    same inputs: the first row also times each flashinfer backend, the others compare with those
+    timings and outputs; then the checks of each row."""
     import torch
 
-    row = {"case": c.label, "lens": c.lens, "dqk": c.dqk, "dv": c.dv, "H": c.H, "Hkv": c.Hkv, "causal": c.causal,
-           "dtype": opts.dtype, "flops": flops(c), "bytes": bytes_moved(c), "hmoe": {}, "flashinfer": {},
-           "checks": []}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     inp = make_inputs(c, dtype, opts.device, opts.seed)
-    outs = _gpu_bench.time_implementations(
-        row, c.label, progress, lambda: hmoe_runner(inp, c, opts),
-        lambda backend: flashinfer_runner(fi, backend, inp, c, use_graph=not opts.eager),
-        getattr(opts, "backend_list", BACKENDS) if fi is not None else (), fi_skip,
-        lambda fn: measure(fn, c, opts, flush, peak_tflops))
-    if "error" not in row["hmoe"]:
-        row["hmoe"]["plan"] = hmoe_plan(inp, c, opts)
-    torch.cuda.synchronize()
     heads, tol = check_heads(c.H), TOLERANCE[opts.dtype]
-    ref = reference(inp, c, heads)
-    _gpu_bench.check_outputs(row, outs, lambda out: rel_err(out[:, heads], ref), tol)
-    inp = outs = ref = None  # freed before empty_cache
+    ref, rows, fi_outs = None, [], {}
+    for variant in opts.variants:
+        row = {"case": c.label, "variant": variant or "hmoe", "lens": c.lens, "dqk": c.dqk, "dv": c.dv, "H": c.H,
+               "Hkv": c.Hkv, "causal": c.causal, "dtype": opts.dtype, "flops": flops(c), "bytes": bytes_moved(c),
+               "hmoe": {}, "flashinfer": {}, "checks": []}
+        first = not rows
+        outs = _gpu_bench.time_implementations(
+            row, f"{c.label} {row['variant']}", progress, lambda: hmoe_runner(inp, c, variant),
+            lambda backend: flashinfer_runner(fi, backend, inp, c, use_graph=not opts.eager),
+            getattr(opts, "backend_list", BACKENDS) if fi is not None and first else (), fi_skip,
+            lambda fn: measure(fn, c, opts, flush, peak_tflops))
+        if first:
+            fi_outs = {b: out for b, out in outs.items() if b != "hmoe"}
+        else:  # flashinfer was timed beside the first variant: the same numbers and outputs
+            for backend, res in rows[0]["flashinfer"].items():
+                res = {k: v for k, v in res.items() if k != "speedup"}
+                if "us" in res and "us" in row["hmoe"]:
+                    res["speedup"] = res["us"] / row["hmoe"]["us"]
+                row["flashinfer"][backend] = res
+            outs.update(fi_outs)
+        if "error" not in row["hmoe"]:
+            row["hmoe"]["plan"] = hmoe_plan(inp, c, opts, variant)
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = reference(inp, c, heads)
+        _gpu_bench.check_outputs(row, outs, lambda out: rel_err(out[:, heads], ref), tol)
+        rows.append(row)
+        outs = None
+    inp = fi_outs = ref = None  # freed before empty_cache
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 COLUMNS = [  # (title, width, cell)
-    ("case", 27, lambda r: r["case"]), ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
+    ("case", 27, lambda r: r["case"]), ("variant", 8, lambda r: r.get("variant", "-")),
+    ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
     ("us(med)", 8, hm_cell("us", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".0f")), ("floor us", 8, hm_cell("floor_us", ".0f")),
     ("x floor", 7, hm_cell("x_floor", ".2f")),
     ("fa2 us", 7, fi_cell("fa2", "us", ".0f")), ("x fa2", 6, fi_cell("fa2", "speedup")),
@@ -182,6 +200,33 @@ def format_header() -> str:
 
 def format_row(row: dict) -> str:
     return _gpu_bench.format_row(row, COLUMNS)
+
+
+def hmoe_variants(index: int, forced: str | None) -> tuple[list, str]:
+    """The hmoe variants a run times on cuda:<index> and a line that says what each is: those of
+    `forced` (a comma list), else every family of this build that runs ragged_prefill there, hmoe's
+    choice first. A variant that cannot run stays in the list: its rows show why."""
+    from hmoe import _build_info
+    from hmoe.ops import _cuda
+
+    names = [v.strip() for v in forced.split(",") if v.strip()] if forced else None
+    if names is None:
+        try:
+            names = [_cuda.select("ragged_prefill", index).variant]
+        except Exception as e:  # noqa: BLE001 - the rows show the error too
+            return [None], f"none: {error_text(e)}"
+        names += sorted(f for f in _build_info.cuda_kernels_for("ragged_prefill") if f != names[0])
+    said, runs = [], []
+    for name in names:
+        try:
+            sel = _cuda.select("ragged_prefill", index, name)
+            said.append(f"{name} ({sel.reason.removeprefix(f'forced by variant={name}: ')})")
+            runs.append(name)
+        except Exception as e:  # noqa: BLE001 - a family that cannot run here is left out unless forced
+            said.append(f"{name} (cannot run: {error_text(e)})")
+            if forced:
+                runs.append(name)
+    return runs or [None], ", ".join(said)
 
 
 def parse_args(argv, prog):
@@ -199,10 +244,12 @@ def parse_args(argv, prog):
     p.add_argument("--dtype", default="bf16", choices=tuple(TOLERANCE))
     p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
-    p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to ragged_prefill)")
+    p.add_argument("--variant", default=None,
+                   help="comma list of hmoe CUDA variants to time, each its own row (passed to ragged_prefill); "
+                        "default: every variant of this build that runs on the GPU, hmoe's choice first")
     p.add_argument("--config", type=int, default=None,
                    help="force the kernel's tile configuration (an index, see hmoe.ops.prefill.plan; sets "
-                        "HMOE_PREFILL_CONFIG)")
+                        "HMOE_PREFILL_CONFIG for every variant timed)")
     p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"flashinfer backends to time, comma list of {', '.join(BACKENDS)} (default all)")
@@ -244,18 +291,13 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
               "run it on a machine with an NVIDIA GPU; `python -m hmoe.compat check` says what hmoe sees.", file=sys.stderr)
         return 2
     import hmoe
-    from hmoe.ops import _cuda
 
     opts.device = dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     cc = (props.major, props.minor)
     fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer("prefill")
     fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != HOPPER else {}
-    try:
-        sel = _cuda.select("ragged_prefill", dev.index, opts.variant)
-        selection = f"{sel.variant} ({sel.reason})"
-    except Exception as e:  # noqa: BLE001 - the rows show the error too
-        selection = f"none: {error_text(e)}"
+    opts.variants, selection = hmoe_variants(dev.index, opts.variant)
     progress("measuring the bf16 matmul rate")
     peak = membw.gpu_matmul_tflops(dev)
     timing = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
@@ -268,7 +310,7 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
     print(f"hmoe.bench prefill  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs)  torch "
           f"{torch.__version__}  hmoe {meta['hmoe']}  flashinfer {meta['flashinfer'] or 'unavailable: ' + str(fi_why)}"
           + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
-    print(f"hmoe variant: {selection};  {opts.dtype}, sm_scale 1/sqrt(Dqk);  timing: {meta['timing']}")
+    print(f"hmoe variants: {selection};  {opts.dtype}, sm_scale 1/sqrt(Dqk);  timing: {meta['timing']}")
     print(f"bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s (the floor's rate)\n"
           "TFLOP/s = 2 x (query, key) pairs the mask keeps x H x (Dqk + Dv) / time; floor = those FLOPs at the matmul "
           "rate;\nx floor = time / floor; x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
@@ -277,9 +319,10 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
     print(format_header(), flush=True)
     flush, rows = membw.GpuL2Flusher(dev), []
     for c in opts.cases:
-        rows.append(run_case(c, opts, fi, fi_skip, peak["tflops"], flush, progress))
-        print(format_row(rows[-1]), flush=True)
-    plans = [f"  {r['case']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
+        for row in run_case(c, opts, fi, fi_skip, peak["tflops"], flush, progress):
+            rows.append(row)
+            print(format_row(row), flush=True)
+    plans = [f"  {r['case']} {r['variant']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
     if plans:
         print("\nhmoe's plan per case (hmoe.ops.prefill.plan):\n" + "\n".join(plans))
     failures = sum(r["failed"] for r in rows)
