@@ -18,7 +18,8 @@
 //               O += P V      wgmma m64n<Dv>k16 with P from registers (rounded to the input
 //                             dtype), V N-major from shared memory, fp32 O in registers
 //               S of tile t is issued before P V of tile t - 1, so the softmax of tile t runs
-//               while the tensor cores do P V; the other consumer interleaves too.
+//               while the tensor cores do P V; and the consumers issue their products in
+//               alternating turns (named barriers), so one's softmax runs beside the other's.
 // The output is rounded once, staged in the consumer's own Q rows and written in 16-byte rows.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -339,11 +340,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   constexpr bool kMask = true, kWhole = false;  // softmax's literal flags
 
+  // Turns: the consumers issue their products in alternation, consumer 0 first: in turn t, S of
+  // tile t and P V of tile t - 1, so that the tensor cores run one consumer's products while the
+  // other does its softmax. Both take turns 0 .. n_tiles (empty ones past their rows' keys, in
+  // which the tiles are let go), so the named barriers (3: consumer 0's turn, 4: consumer 1's)
+  // pair up; the last turn hands nothing on.
+  auto turn = [&](int t, auto&& issue) {
+    named_sync(3 + c, 256);
+    issue();
+    if (c == 0 || t < n_tiles) named_arrive(4 - c, 256);
+  };
+  if (c == 1) named_arrive(3, 256);
+
   if (rows > 0) mbar_wait(qbar + 8 * c, 0);  // also when no row sees a key: the copy must land first
+  int t = 0;
   if (n_own > 0) {
     float alpha[2];
     wait_full(full_k, 0);
-    issue_s(0);
+    turn(0, [&] { issue_s(0); });
     wgmma_wait<0>();
     fence_regs<64>(s);
     release(empty_k, 0);
@@ -352,11 +366,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     else
       softmax(0, kWhole, alpha);
     round_p();
-    for (int t = 1; t < n_own; ++t) {
+    for (t = 1; t < n_own; ++t) {
       wait_full(full_k, t);
-      issue_s(t);
       wait_full(full_v, t - 1);
-      issue_pv(t - 1);
+      turn(t, [&] {
+        issue_s(t);
+        issue_pv(t - 1);
+      });
       wgmma_wait<1>();  // S of tile t (P V of tile t - 1 still runs)
       fence_regs<64>(s);
       release(empty_k, t);
@@ -371,16 +387,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       round_p();
     }
     wait_full(full_v, n_own - 1);
-    issue_pv(n_own - 1);
+    turn(n_own, [&] { issue_pv(n_own - 1); });
     wgmma_wait<0>();
     fence_regs<DV / 2>(o);
     release(empty_v, n_own - 1);
+    if (n_own < n_tiles) {  // tile n_own is past this consumer's rows' keys
+      wait_full(full_k, n_own);
+      release(empty_k, n_own);
+    }
+    t = n_own + 1;
   }
-  for (int t = n_own; t < n_tiles; ++t) {  // tiles past this consumer's rows' keys: let them go
-    wait_full(full_k, t);
-    release(empty_k, t);
-    wait_full(full_v, t);
-    release(empty_v, t);
+  for (; t <= n_tiles; ++t) {  // turns past this consumer's rows' keys: nothing to issue, tiles let go
+    turn(t, [] {});
+    if (t < n_tiles) {
+      wait_full(full_k, t);
+      release(empty_k, t);
+    }
+    if (t >= 1) {
+      wait_full(full_v, t - 1);
+      release(empty_v, t - 1);
+    }
   }
   if (rows <= 0) return;
 
