@@ -45,15 +45,17 @@ __device__ __forceinline__ int visible_keys(const Request& r, int causal, int i)
 }
 
 // The workspace of a call (plan.workspace int32 words): the work list first (what the attention
-// kernel reads), then the schedule's scratch.
+// kernel reads), then the schedule's scratch, then a counter the schedule zeroes (a persistent
+// attention kernel hands out work items with it).
 struct ScheduleLayout {
-  int64_t work, items, keys, tile_start, words;  // offsets in int32 words; work and items hold int2
+  int64_t work, items, keys, tile_start, counter, words;  // offsets in int32 words; work and items hold int2
   __host__ __device__ ScheduleLayout(int batch, int max_items) {
     work = 0;
     items = 2 * int64_t(max_items);
     keys = items + 2 * int64_t(max_items);
     tile_start = keys + max_items;
-    words = tile_start + batch + 1;
+    counter = tile_start + batch + 1;
+    words = counter + 1;
   }
 };
 
@@ -105,6 +107,7 @@ __global__ void __launch_bounds__(kThreads) prefill_schedule_kernel(const Prefil
   int* tile_start = p.workspace + at.tile_start;
   const int tid = threadIdx.x, nt = blockDim.x;
 
+  if (tid == 0) p.workspace[at.counter] = 0;
   int count = 0;
   for (int base = 0; base < p.batch; base += nt) {
     const int b = base + tid;

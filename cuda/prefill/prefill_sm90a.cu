@@ -2,16 +2,18 @@
 // op, params, request bounds, schedule (prefill_schedule.cuh), online-softmax rules and precision
 // contract as the portable kernel (prefill_kernel.cuh); paged_prefill stays with the portable family.
 //
-// One CTA = one q tile of 128 rows (one request, one head) and three warpgroups; keys and values
-// come in tiles of 128 rows through a ring of two K and two V buffers. Shared memory holds Q and
-// the ring as 64-column blocks of 128 rows in the TMA's 128-byte swizzle (attention/wgmma.cuh).
-//   producer    warp 0, one thread: Q's boxes (64 rows each consumer), then each tile's K and V
-//               boxes on the buffer's "full" mbarriers once its "empty" ones say both consumers are
-//               done with it. A tile that ends inside the request's keys (its last) is copied in
-//               8-row boxes that stay inside them; warp 1 copies the last 1 to 7 rows itself and
-//               zeroes the V rows past them, so no row outside [kv_indptr[b], kv_indptr[b+1]) is
-//               read and stale rows never meet P.
-//   consumer c  (c = 0, 1; 128 threads each) owns query rows [64c, 64c + 64) of the tile:
+// Persistent: one CTA an SM takes work items (a q tile of 128 rows of one request and head, from
+// the schedule's work list, through a counter) until none is left. Three warpgroups; keys and
+// values come in tiles of 128 rows through a ring of two K and two V buffers. Shared memory holds
+// Q and the ring as 64-column blocks of 128 rows in the TMA's 128-byte swizzle (attention/wgmma.cuh).
+//   producer    warp 0, one thread: fetches the items (ItemRing), loads each consumer's 64 Q rows
+//               once it is done with its last ones, then each tile's K and V boxes on the
+//               buffer's "full" mbarriers once its "empty" ones say both consumers are done with
+//               it. A tile that ends inside the request's keys (its last) is copied in 8-row
+//               boxes that stay inside them; warp 1 copies the last 1 to 7 rows itself and zeroes
+//               the V rows past them, so no row outside [kv_indptr[b], kv_indptr[b+1]) is read
+//               and stale rows never meet P.
+//   consumer c  (c = 0, 1; 128 threads each) owns query rows [64c, 64c + 64) of the item:
 //               S = Q K^T     wgmma m64n128k16, both operands in shared memory, fp32
 //               softmax       online, in registers (attention/softmax.cuh's lazy max; the mask
 //                             only on tiles that cross the causal diagonal or the keys' end)
@@ -20,11 +22,12 @@
 //               S of tile t is issued before P V of tile t - 1, so the softmax of tile t runs
 //               while the tensor cores do P V; and the consumers issue their products in
 //               alternating turns (named barriers), so one's softmax runs beside the other's.
-// The output is rounded once, staged in the consumer's own Q rows and written in 16-byte rows.
+// The output is rounded once and written from registers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -60,8 +63,9 @@ struct Layout {
   static constexpr int q = 0;
   static constexpr int k = q + kQBlocks * kBlock;               // [stage][block]
   static constexpr int v = k + kStages * kQBlocks * kBlock;     // [stage][block]
-  static constexpr int bars = v + kStages * kVBlocks * kBlock;  // full_k, full_v, empty_k, empty_v [kStages]; q [2]
-  static constexpr int end = bars + 8 * (4 * kStages + 2);
+  static constexpr int bars = v + kStages * kVBlocks * kBlock;  // see Bars
+  static constexpr int items = bars + 8 * (4 * kStages + 8);    // the item ring: 2 int32
+  static constexpr int end = items + 8;
   static constexpr int bytes = end + 1024;
   static_assert(DQK % 64 == 0 && DV % 64 == 0 && DV <= DQK && (DV == 64 || DV == 128),
                 "whole 64-column blocks; O (<= 128 columns) is staged in Q's rows");
@@ -108,126 +112,193 @@ struct TileRows {
       : row0(r.kv0 + t * kBN), rows(min(kBN, r.lk - t * kBN)), whole(rows == kBN ? kBN : rows / kLast * kLast) {}
 };
 
-// The producer's TMA thread: Q, then tile by tile K and V of the request's keys.
-template <int DQK, int DV>
-__device__ __forceinline__ void produce(const Maps& maps, uint32_t smem, const Request& r, int q_row0, int q_rows,
-                                        int h, int kvh, int n_tiles) {
-  using L = Layout<DQK, DV>;
-  const uint32_t full_k = smem + L::bars, full_v = full_k + 8 * kStages, empty_k = full_v + 8 * kStages,
-                 empty_v = empty_k + 8 * kStages, qbar = empty_v + 8 * kStages;
-  for (int c = 0; c < 2 && kRows * c < q_rows; ++c) {
-    mbar_expect_tx(qbar + 8 * c, L::kQBlocks * kRows * 128);
-    for (int blk = 0; blk < L::kQBlocks; ++blk)
-      tma_load_2d(smem + L::q + blk * kBlock + kRows * c * 128, &maps.q, h * DQK + 64 * blk, q_row0 + kRows * c,
-                  qbar + 8 * c);
+// One work item of the grid-stride loop: q tile `q_first / kBM` of request b, query head h. All
+// roles of a CTA walk the same items and agree on everything here.
+struct Work {
+  Request r;
+  int h, kvh, q_first, q_rows, n_tiles;
+  bool valid;  // false: an unused slot of the work list
+  __device__ __forceinline__ Work(const PrefillParams& p, int i) {
+    const int slot = i % p.max_items;
+    h = i / p.max_items;
+    const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
+    valid = item.x >= 0;
+    r = prefill::request(p, valid ? item.x : 0);
+    kvh = h / (p.heads / p.kv_heads);
+    q_first = item.y * kBM;
+    q_rows = min(kBM, r.lq - q_first);
+    n_tiles = valid ? (prefill::visible_keys(r, p.causal, q_first + q_rows - 1) + kBN - 1) / kBN : 0;
   }
-  // One matrix (K or V: `blocks` 64-column blocks from column col0) of tile t into `buf`.
+};
+
+// The barriers (8 bytes each): per ring stage, K and V full (the TMA thread's arrival with the
+// bytes and warp 1's) and empty (one arrival per consumer); per consumer, its Q rows full (the
+// bytes) and empty (the consumer's last S is done); per slot of the item ring, full (the TMA
+// thread wrote the next item's index) and empty (every consumer thread and warp 1 read it).
+template <int DQK, int DV>
+struct Bars {
+  uint32_t full_k, full_v, empty_k, empty_v, q_full, q_empty, item_full, item_empty;
+  __device__ __forceinline__ explicit Bars(uint32_t smem) {
+    full_k = smem + Layout<DQK, DV>::bars;
+    full_v = full_k + 8 * kStages;
+    empty_k = full_v + 8 * kStages;
+    empty_v = empty_k + 8 * kStages;
+    q_full = empty_v + 8 * kStages;
+    q_empty = q_full + 16;
+    item_full = q_empty + 16;
+    item_empty = item_full + 16;
+  }
+};
+constexpr int kItemReaders = 2 * 128 + 32;  // arrivals on item_empty
+
+// The work items of a CTA: blockIdx.x first, then whatever the call's counter hands out (items
+// in head-major order, heaviest q tiles of a head first, so the CTAs at work share a head's K/V
+// in L2 and the light tiles come last). The TMA thread fetches them and passes each on through a
+// ring of two slots; everyone else reads them there. -1: no more.
+struct ItemRing {
+  uint32_t full, empty;
+  volatile int* slot;
+  int k = 0;  // items passed so far
+  __device__ __forceinline__ ItemRing(uint32_t f, uint32_t e, unsigned char* s)
+      : full(f), empty(e), slot(reinterpret_cast<volatile int*>(s)) {}
+  __device__ __forceinline__ void put(int i) {
+    if (k >= 2) mbar_wait(empty + 8 * (k % 2), ((k / 2) - 1) & 1);
+    slot[k % 2] = i;
+    mbar_arrive(full + 8 * (k % 2));  // release: the index is visible to whoever waits on it
+    ++k;
+  }
+  __device__ __forceinline__ int get() {
+    mbar_wait(full + 8 * (k % 2), (k / 2) & 1);
+    const int i = slot[k % 2];
+    mbar_arrive(empty + 8 * (k % 2));
+    ++k;
+    return i;
+  }
+};
+
+// Ring slot of the CTA's g-th tile (counted over all its items) and the parity of its phase.
+__device__ __forceinline__ uint32_t slot_bar(uint32_t bars, int g) { return bars + 8 * (g % kStages); }
+__device__ __forceinline__ uint32_t slot_parity(int g) { return (g / kStages) & 1; }
+
+// The producer's TMA thread: for each item, each consumer's Q rows once it is done with the last
+// ones, then tile by tile K and V of the request's keys into the ring.
+template <int DQK, int DV>
+__device__ __forceinline__ void produce(const PrefillParams& p, const Maps& maps, uint32_t smem, ItemRing& ring) {
+  using L = Layout<DQK, DV>;
+  const Bars<DQK, DV> bar(smem);
+  const int total = p.max_items * p.heads;
+  int* counter = p.workspace + prefill::ScheduleLayout(p.batch, p.max_items).counter;
+  // One matrix (K or V: `blocks` 64-column blocks from column col0) of a tile into `buf`.
   auto load = [&](const CUtensorMap* whole_map, const CUtensorMap* last_map, int blocks, int col0, uint32_t buf,
-                  uint32_t bar, const TileRows& tr) {
-    mbar_expect_tx(bar, blocks * tr.whole * 128);
+                  uint32_t full, const TileRows& tr) {
+    mbar_expect_tx(full, blocks * tr.whole * 128);
     if (tr.whole == kBN) {
-      for (int blk = 0; blk < blocks; ++blk) tma_load_2d(buf + blk * kBlock, whole_map, col0 + 64 * blk, tr.row0, bar);
+      for (int blk = 0; blk < blocks; ++blk) tma_load_2d(buf + blk * kBlock, whole_map, col0 + 64 * blk, tr.row0, full);
     } else {
       for (int g = 0; g < tr.whole; g += kLast)
         for (int blk = 0; blk < blocks; ++blk)
-          tma_load_2d(buf + blk * kBlock + g * 128, last_map, col0 + 64 * blk, tr.row0 + g, bar);
+          tma_load_2d(buf + blk * kBlock + g * 128, last_map, col0 + 64 * blk, tr.row0 + g, full);
     }
   };
+  int g = 0, nq = 0;  // tiles and Q loads so far
+  for (int i = blockIdx.x;; i = gridDim.x + atomicAdd(counter, 1)) {
+    ring.put(i < total ? i : -1);
+    if (i >= total) break;
+    const Work w(p, i);
+    if (w.n_tiles == 0) continue;
+    for (int c = 0; c < 2; ++c) {
+      if (nq > 0) mbar_wait(bar.q_empty + 8 * c, (nq - 1) & 1);
+      mbar_expect_tx(bar.q_full + 8 * c, L::kQBlocks * kRows * 128);
+      for (int blk = 0; blk < L::kQBlocks; ++blk)
+        tma_load_2d(smem + L::q + blk * kBlock + kRows * c * 128, &maps.q, w.h * DQK + 64 * blk,
+                    w.r.q0 + w.q_first + kRows * c, bar.q_full + 8 * c);
+    }
+    ++nq;
 #pragma unroll 1
-  for (int t = 0; t < n_tiles; ++t) {
-    const int stage = t % kStages;
-    const TileRows tr(r, t);
-    if (t >= kStages) mbar_wait(empty_k + 8 * stage, ((t / kStages) - 1) & 1);
-    load(&maps.k, &maps.k_last, L::kQBlocks, kvh * DQK, smem + L::k + stage * L::kQBlocks * kBlock, full_k + 8 * stage,
-         tr);
-    if (t >= kStages) mbar_wait(empty_v + 8 * stage, ((t / kStages) - 1) & 1);
-    load(&maps.v, &maps.v_last, L::kVBlocks, kvh * DV, smem + L::v + stage * L::kVBlocks * kBlock, full_v + 8 * stage,
-         tr);
+    for (int t = 0; t < w.n_tiles; ++t, ++g) {
+      const TileRows tr(w.r, t);
+      if (g >= kStages) mbar_wait(slot_bar(bar.empty_k, g), slot_parity(g) ^ 1);
+      load(&maps.k, &maps.k_last, L::kQBlocks, w.kvh * DQK, smem + L::k + (g % kStages) * L::kQBlocks * kBlock,
+           slot_bar(bar.full_k, g), tr);
+      if (g >= kStages) mbar_wait(slot_bar(bar.empty_v, g), slot_parity(g) ^ 1);
+      load(&maps.v, &maps.v_last, L::kVBlocks, w.kvh * DV, smem + L::v + (g % kStages) * L::kVBlocks * kBlock,
+           slot_bar(bar.full_v, g), tr);
+    }
   }
 }
 
 // The producer's warp 1: of each tile that ends inside the keys, the rows past its last 8-row box
 // (copied) and, in V, the rows past the keys (zeros); then its arrival on the tile's full barriers.
 template <int DQK, int DV>
-__device__ __forceinline__ void produce_last_rows(const PrefillParams& p, uint32_t smem, const Request& r, int kvh,
-                                                  int n_tiles) {
+__device__ __forceinline__ void produce_last_rows(const PrefillParams& p, uint32_t smem, ItemRing& ring) {
   using L = Layout<DQK, DV>;
-  const uint32_t full_k = smem + L::bars, full_v = full_k + 8 * kStages, empty_k = full_v + 8 * kStages,
-                 empty_v = empty_k + 8 * kStages;
+  const Bars<DQK, DV> bar(smem);
   const int lane = threadIdx.x % 32;
+  int g = 0;
+  for (int i = ring.get(); i >= 0; i = ring.get()) {
+    const Work w(p, i);
 #pragma unroll 1
-  for (int t = 0; t < n_tiles; ++t) {
-    const int stage = t % kStages;
-    const TileRows tr(r, t);
-    if (t >= kStages) mbar_wait(empty_k + 8 * stage, ((t / kStages) - 1) & 1);
-    if (tr.whole < kBN) {
-      constexpr int kChunks = DQK / 8;
-      const uint32_t buf = smem + L::k + stage * L::kQBlocks * kBlock;
-      const char* src = static_cast<const char*>(p.k) + (int64_t(tr.row0) * p.kv_heads + kvh) * DQK * 2;
-      for (int i = lane; i < (tr.rows - tr.whole) * kChunks; i += 32) {
-        const int row = tr.whole + i / kChunks, chunk = i % kChunks;
-        st_shared16(buf + tile_chunk(row, chunk), ld_global16(src + int64_t(row) * p.kv_heads * DQK * 2 + chunk * 16));
+    for (int t = 0; t < w.n_tiles; ++t, ++g) {
+      const TileRows tr(w.r, t);
+      if (g >= kStages) mbar_wait(slot_bar(bar.empty_k, g), slot_parity(g) ^ 1);
+      if (tr.whole < kBN) {
+        constexpr int kChunks = DQK / 8;
+        const uint32_t buf = smem + L::k + (g % kStages) * L::kQBlocks * kBlock;
+        const char* src = static_cast<const char*>(p.k) + (int64_t(tr.row0) * p.kv_heads + w.kvh) * DQK * 2;
+        for (int j = lane; j < (tr.rows - tr.whole) * kChunks; j += 32) {
+          const int row = tr.whole + j / kChunks, chunk = j % kChunks;
+          st_shared16(buf + tile_chunk(row, chunk),
+                      ld_global16(src + int64_t(row) * p.kv_heads * DQK * 2 + chunk * 16));
+        }
+        fence_async_smem();  // generic-proxy writes visible to the consumers' wgmma
       }
-      fence_async_smem();  // generic-proxy writes visible to the consumers' wgmma
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(full_k + 8 * stage);
-    if (t >= kStages) mbar_wait(empty_v + 8 * stage, ((t / kStages) - 1) & 1);
-    if (tr.whole < kBN) {
-      constexpr int kChunks = DV / 8;
-      const uint32_t buf = smem + L::v + stage * L::kVBlocks * kBlock;
-      const char* src = static_cast<const char*>(p.v) + (int64_t(tr.row0) * p.kv_heads + kvh) * DV * 2;
-      for (int i = lane; i < (kBN - tr.whole) * kChunks; i += 32) {
-        const int row = tr.whole + i / kChunks, chunk = i % kChunks;
-        st_shared16(buf + tile_chunk(row, chunk),
-                    row < tr.rows ? ld_global16(src + int64_t(row) * p.kv_heads * DV * 2 + chunk * 16)
-                                  : make_uint4(0, 0, 0, 0));
+      __syncwarp();
+      if (lane == 0) mbar_arrive(slot_bar(bar.full_k, g));
+      if (g >= kStages) mbar_wait(slot_bar(bar.empty_v, g), slot_parity(g) ^ 1);
+      if (tr.whole < kBN) {
+        constexpr int kChunks = DV / 8;
+        const uint32_t buf = smem + L::v + (g % kStages) * L::kVBlocks * kBlock;
+        const char* src = static_cast<const char*>(p.v) + (int64_t(tr.row0) * p.kv_heads + w.kvh) * DV * 2;
+        for (int j = lane; j < (kBN - tr.whole) * kChunks; j += 32) {
+          const int row = tr.whole + j / kChunks, chunk = j % kChunks;
+          st_shared16(buf + tile_chunk(row, chunk),
+                      row < tr.rows ? ld_global16(src + int64_t(row) * p.kv_heads * DV * 2 + chunk * 16)
+                                    : make_uint4(0, 0, 0, 0));
+        }
+        fence_async_smem();
       }
-      fence_async_smem();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(slot_bar(bar.full_v, g));
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(full_v + 8 * stage);
   }
 }
 
+// Persistent: one CTA an SM takes work items (ItemRing) until none is left, the producer loading
+// the next item's Q and first tiles while the consumers finish the last one.
 template <typename T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_sm90a_kernel(const PrefillParams p, const __grid_constant__ Maps maps) {
   using L = Layout<DQK, DV>;
   extern __shared__ __align__(1024) unsigned char smem_window[];
   const uint32_t smem = (attn::smem_addr(smem_window) + 1023) & ~1023u;
-  const uint32_t full_k = smem + L::bars, full_v = full_k + 8 * kStages, empty_k = full_v + 8 * kStages,
-                 empty_v = empty_k + 8 * kStages, qbar = empty_v + 8 * kStages;
-
-  const int slot = blockIdx.x % p.max_items, h = blockIdx.x / p.max_items;
-  const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
-  if (item.x < 0) return;  // an unused slot of the work list
-  const int b = item.x, q_first = item.y * kBM;
-  const Request r = prefill::request(p, b);
-  const int q_rows = min(kBM, r.lq - q_first);
-  const int kvh = h / (p.heads / p.kv_heads);
-  const int n_tiles = (prefill::visible_keys(r, p.causal, q_first + q_rows - 1) + kBN - 1) / kBN;
-  T* out = static_cast<T*>(p.out) + (int64_t(r.q0 + q_first) * p.heads + h) * DV;
-
-  if (n_tiles == 0) {  // no key for any row: out = 0, lse = -inf
-    for (int i = threadIdx.x; i < q_rows * (DV / 8); i += kThreads)
-      st_global16(out + int64_t(i / (DV / 8)) * p.heads * DV + (i % (DV / 8)) * 8, make_uint4(0, 0, 0, 0));
-    if (p.lse != nullptr)
-      for (int i = threadIdx.x; i < q_rows; i += kThreads) p.lse[int64_t(r.q0 + q_first + i) * p.heads + h] = -INFINITY;
-    return;
-  }
+  const Bars<DQK, DV> bar(smem);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_k + 8 * s, 2);  // the TMA thread's arrival (with the bytes) and warp 1's
-      mbar_init(full_v + 8 * s, 2);
-      mbar_init(empty_k + 8 * s, 2);  // one arrival per consumer
-      mbar_init(empty_v + 8 * s, 2);
+      mbar_init(bar.full_k + 8 * s, 2);
+      mbar_init(bar.full_v + 8 * s, 2);
+      mbar_init(bar.empty_k + 8 * s, 2);
+      mbar_init(bar.empty_v + 8 * s, 2);
     }
-    mbar_init(qbar, 1);
-    mbar_init(qbar + 8, 1);
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(bar.q_full + 8 * c, 1);
+      mbar_init(bar.q_empty + 8 * c, 1);
+      mbar_init(bar.item_full + 8 * c, 1);
+      mbar_init(bar.item_empty + 8 * c, kItemReaders);
+    }
     mbar_init_fence();
   }
   __syncthreads();
+  ItemRing ring(bar.item_full, bar.item_empty, smem_window + (smem - attn::smem_addr(smem_window)) + L::items);
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // producer
@@ -235,93 +306,41 @@ __global__ void __launch_bounds__(kThreads, 1)
     // setmaxnreg.inc waits until the producer's dec has freed what it asks for: 40 + 2 x 232 = 3 x 168.
     regs_shrink<40>();
     const int warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) produce<DQK, DV>(maps, smem, r, r.q0 + q_first, q_rows, h, kvh, n_tiles);
-    if (warp == 1) produce_last_rows<DQK, DV>(p, smem, r, kvh, n_tiles);
+    if (threadIdx.x == 0) produce<DQK, DV>(p, maps, smem, ring);
+    if (warp == 1) produce_last_rows<DQK, DV>(p, smem, ring);
     return;
   }
   regs_grow<232>();
   const int c = wg - 1, tid = threadIdx.x - 128 * wg, warp = tid / 32, lane = tid % 32;
   const int r0 = 16 * warp + lane / 4;  // this thread's rows of the consumer's 64: r0 and r0 + 8
   const int q4 = lane % 4;
-  const int rows = min(kRows, q_rows - kRows * c);  // <= 0: this consumer has no query row
-  const int first = q_first + kRows * c;            // its first row within the request
-  const int n_own = rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0;
   const float scale = p.sm_scale * attn::kLog2e;
-  // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
-  const int n_full = rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0;
+  float s[64], o[DV / 2], m_run[2], l_run[2];
+  uint32_t pk[8][4];   // P of the last tile, rounded to T: the A fragments of P V's 8 k16 steps
+  int g0 = 0, nq = 0;  // the CTA's tiles before this item, Q loads so far
 
-  float s[64], o[DV / 2], m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  uint32_t pk[8][4];  // P of the last tile, rounded to T: the A fragments of P V's 8 k16 steps
-#pragma unroll
-  for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
-
-  auto k_buf = [&](int t) { return smem + L::k + (t % kStages) * L::kQBlocks * kBlock; };
-  auto v_buf = [&](int t) { return smem + L::v + (t % kStages) * L::kVBlocks * kBlock; };
-  auto wait_full = [&](uint32_t bars, int t) { mbar_wait(bars + 8 * (t % kStages), (t / kStages) & 1); };
-  auto release = [&](uint32_t bars, int t) {
-    if (tid == 0) mbar_arrive(bars + 8 * (t % kStages));
+  auto k_buf = [&](int g) { return smem + L::k + (g % kStages) * L::kQBlocks * kBlock; };
+  auto v_buf = [&](int g) { return smem + L::v + (g % kStages) * L::kVBlocks * kBlock; };
+  auto wait_full = [&](uint32_t bars, int g) { mbar_wait(slot_bar(bars, g), slot_parity(g)); };
+  auto release = [&](uint32_t bars, int g) {
+    if (tid == 0) mbar_arrive(slot_bar(bars, g));
   };
-  auto issue_s = [&](int t) {  // S = Q K^T for tile t (asynchronous)
+  auto issue_s = [&](int g) {  // S = Q K^T for the tile in slot g (asynchronous)
     wgmma_fence();
 #pragma unroll
     for (int blk = 0; blk < L::kQBlocks; ++blk)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         wgmma<Wgmma64x128<0>, T>(s, k_major(smem + L::q + blk * kBlock + kRows * c * 128 + kk * 32),
-                                 k_major(k_buf(t) + blk * kBlock + kk * 32), blk + kk > 0);
+                                 k_major(k_buf(g) + blk * kBlock + kk * 32), blk + kk > 0);
     wgmma_commit();
   };
-  auto issue_pv = [&](int t) {  // O += P V for tile t (asynchronous)
+  auto issue_pv = [&](int g) {  // O += P V for the tile in slot g (asynchronous)
     wgmma_fence();
     fence_regs<DV / 2>(o);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], n_major(v_buf(t) + kk * 16 * 128, kBlock));
+    for (int kk = 0; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], n_major(v_buf(g) + kk * 16 * 128, kBlock));
     wgmma_commit();
-  };
-  // Online softmax of tile t in place: s becomes P (fp32); returns the rows' rescale factors.
-  // s[4j + e] is row r0 + 8 (e / 2), key 8j + 2 q4 + e % 2 of the tile. Fast path (no mask):
-  // the row max of the raw scores times scale, p = 2^(s scale - m) in one FFMA and one ex2.
-  // Masked path: scores scaled first (any sign of scale), keys the row does not see set to -inf.
-  auto softmax = [&](int t, const bool masked, float (&alpha)[2]) {
-    float mx[2] = {-INFINITY, -INFINITY};
-    if (masked) {
-      int lim[2];
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) lim[hf] = prefill::visible_keys(r, p.causal, first + r0 + 8 * hf) - t * kBN;
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float& x = s[4 * j + e];
-          x = 8 * j + 2 * q4 + (e & 1) < lim[e >> 1] ? x * scale : -INFINITY;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-      mx[0] *= scale, mx[1] *= scale;
-    }
-    float m_new[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      mx[hf] = warp_max<4>(mx[hf]);  // the row's 4 threads
-      m_new[hf] = attn::next_max(m_run[hf], mx[hf]);
-      alpha[hf] = attn::rescale(m_run[hf], m_new[hf]);
-      m_run[hf] = m_new[hf];
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float& x = s[4 * j + e];
-        x = exp2_ftz(masked ? x - m_new[e >> 1] : fmaf(x, scale, -m_new[e >> 1]));
-        sum[e >> 1] += x;
-      }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) l_run[hf] = l_run[hf] * alpha[hf] + sum[hf];
   };
   auto round_p = [&]() {  // P rounded to T (the precision contract), packed as P V's A fragments
 #pragma unroll
@@ -338,111 +357,169 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  constexpr bool kMask = true, kWhole = false;  // softmax's literal flags
-
-  // Turns: the consumers issue their products in alternation, consumer 0 first: in turn t, S of
-  // tile t and P V of tile t - 1, so that the tensor cores run one consumer's products while the
-  // other does its softmax. Both take turns 0 .. n_tiles (empty ones past their rows' keys, in
-  // which the tiles are let go), so the named barriers (3: consumer 0's turn, 4: consumer 1's)
-  // pair up; the last turn hands nothing on.
-  auto turn = [&](int t, auto&& issue) {
+  // Turns: the consumers issue their products in alternation, consumer 0 first: in turn t of an
+  // item, S of tile t and P V of tile t - 1, so that the tensor cores run one consumer's products
+  // while the other does its softmax. Both take turns 0 .. n_tiles of every item (empty ones past
+  // their rows' keys, in which the tiles are let go), so the named barriers (3: consumer 0's
+  // turn, 4: consumer 1's) pair up; consumer 0 takes consumer 1's last hand-over at the end.
+  auto turn = [&](auto&& issue) {
     named_sync(3 + c, 256);
     issue();
-    if (c == 0 || t < n_tiles) named_arrive(4 - c, 256);
+    named_arrive(4 - c, 256);
   };
   if (c == 1) named_arrive(3, 256);
+  constexpr bool kMask = true, kWhole = false;  // softmax's literal flags
 
-  if (rows > 0) mbar_wait(qbar + 8 * c, 0);  // also when no row sees a key: the copy must land first
-  int t = 0;
-  if (n_own > 0) {
-    float alpha[2];
-    wait_full(full_k, 0);
-    turn(0, [&] { issue_s(0); });
-    wgmma_wait<0>();
-    fence_regs<64>(s);
-    release(empty_k, 0);
-    if (0 >= n_full)
-      softmax(0, kMask, alpha);
-    else
-      softmax(0, kWhole, alpha);
-    round_p();
-    for (t = 1; t < n_own; ++t) {
-      wait_full(full_k, t);
-      wait_full(full_v, t - 1);
-      turn(t, [&] {
-        issue_s(t);
-        issue_pv(t - 1);
-      });
-      wgmma_wait<1>();  // S of tile t (P V of tile t - 1 still runs)
+  for (int i = ring.get(); i >= 0; i = ring.get()) {
+    const Work w(p, i);
+    if (!w.valid) continue;
+    const Request& r = w.r;
+    const int rows = min(kRows, w.q_rows - kRows * c);  // <= 0: this consumer has no query row
+    const int first = w.q_first + kRows * c;            // its first row within the request
+    T* out = static_cast<T*>(p.out) + (int64_t(r.q0 + first) * p.heads + w.h) * DV;
+    if (w.n_tiles == 0) {  // no key for any row: out = 0, lse = -inf
+      for (int j = tid; j < max(rows, 0) * (DV / 8); j += 128)
+        st_global16(out + int64_t(j / (DV / 8)) * p.heads * DV + (j % (DV / 8)) * 8, make_uint4(0, 0, 0, 0));
+      if (p.lse != nullptr)
+        for (int j = tid; j < rows; j += 128) p.lse[int64_t(r.q0 + first + j) * p.heads + w.h] = -INFINITY;
+      continue;
+    }
+    const int n_tiles = w.n_tiles;
+    const int n_own = rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0;
+    // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
+    const int n_full = rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0;
+    m_run[0] = m_run[1] = -INFINITY;
+    l_run[0] = l_run[1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DV / 2; ++j) o[j] = 0.f;
+
+    // Online softmax of tile t in place: s becomes P (fp32); alpha: the rows' rescale factors.
+    // s[4j + e] is row r0 + 8 (e / 2), key 8j + 2 q4 + e % 2 of the tile. Fast path (no mask):
+    // the row max of the raw scores times scale, p = 2^(s scale - m) in one FFMA and one ex2.
+    // Masked path: scores scaled first (any sign of scale), keys the row does not see set to -inf.
+    auto softmax = [&](int t, const bool masked, float (&alpha)[2]) {
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (masked) {
+        int lim[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) lim[hf] = prefill::visible_keys(r, p.causal, first + r0 + 8 * hf) - t * kBN;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float& x = s[4 * j + e];
+            x = 8 * j + 2 * q4 + (e & 1) < lim[e >> 1] ? x * scale : -INFINITY;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+          }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+        mx[0] *= scale, mx[1] *= scale;
+      }
+      float m_new[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = warp_max<4>(mx[hf]);  // the row's 4 threads
+        m_new[hf] = attn::next_max(m_run[hf], mx[hf]);
+        alpha[hf] = attn::rescale(m_run[hf], m_new[hf]);
+        m_run[hf] = m_new[hf];
+      }
+      float sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& x = s[4 * j + e];
+          x = exp2_ftz(masked ? x - m_new[e >> 1] : fmaf(x, scale, -m_new[e >> 1]));
+          sum[e >> 1] += x;
+        }
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) l_run[hf] = l_run[hf] * alpha[hf] + sum[hf];
+    };
+
+    mbar_wait(bar.q_full + 8 * c, nq & 1);  // also with no row or no key: the copy must land first
+    ++nq;
+    int t = 0;
+    if (n_own > 0) {
+      float alpha[2];
+      wait_full(bar.full_k, g0);
+      turn([&] { issue_s(g0); });
+      wgmma_wait<0>();
       fence_regs<64>(s);
-      release(empty_k, t);
-      if (t >= n_full)
-        softmax(t, kMask, alpha);
+      release(bar.empty_k, g0);
+      if (n_own == 1 && tid == 0) mbar_arrive(bar.q_empty + 8 * c);  // the last S is done: Q may go
+      if (0 >= n_full)
+        softmax(0, kMask, alpha);
       else
-        softmax(t, kWhole, alpha);
+        softmax(0, kWhole, alpha);
+      round_p();
+      for (t = 1; t < n_own; ++t) {
+        wait_full(bar.full_k, g0 + t);
+        wait_full(bar.full_v, g0 + t - 1);
+        turn([&] {
+          issue_s(g0 + t);
+          issue_pv(g0 + t - 1);
+        });
+        wgmma_wait<1>();  // S of tile t (P V of tile t - 1 still runs)
+        fence_regs<64>(s);
+        release(bar.empty_k, g0 + t);
+        if (t == n_own - 1 && tid == 0) mbar_arrive(bar.q_empty + 8 * c);
+        if (t >= n_full)
+          softmax(t, kMask, alpha);
+        else
+          softmax(t, kWhole, alpha);
+        wgmma_wait<0>();
+        fence_regs<DV / 2>(o);
+        release(bar.empty_v, g0 + t - 1);
+        rescale_o(alpha);
+        round_p();
+      }
+      wait_full(bar.full_v, g0 + n_own - 1);
+      turn([&] { issue_pv(g0 + n_own - 1); });
       wgmma_wait<0>();
       fence_regs<DV / 2>(o);
-      release(empty_v, t - 1);
-      rescale_o(alpha);
-      round_p();
+      release(bar.empty_v, g0 + n_own - 1);
+      if (n_own < n_tiles) {  // tile n_own is past this consumer's rows' keys
+        wait_full(bar.full_k, g0 + n_own);
+        release(bar.empty_k, g0 + n_own);
+      }
+      t = n_own + 1;
+    } else if (tid == 0) {
+      mbar_arrive(bar.q_empty + 8 * c);
     }
-    wait_full(full_v, n_own - 1);
-    turn(n_own, [&] { issue_pv(n_own - 1); });
-    wgmma_wait<0>();
-    fence_regs<DV / 2>(o);
-    release(empty_v, n_own - 1);
-    if (n_own < n_tiles) {  // tile n_own is past this consumer's rows' keys
-      wait_full(full_k, n_own);
-      release(empty_k, n_own);
+    for (; t <= n_tiles; ++t) {  // turns past this consumer's rows' keys: nothing to issue, tiles let go
+      turn([] {});
+      if (t < n_tiles) {
+        wait_full(bar.full_k, g0 + t);
+        release(bar.empty_k, g0 + t);
+      }
+      if (t >= 1) {
+        wait_full(bar.full_v, g0 + t - 1);
+        release(bar.empty_v, g0 + t - 1);
+      }
     }
-    t = n_own + 1;
-  }
-  for (; t <= n_tiles; ++t) {  // turns past this consumer's rows' keys: nothing to issue, tiles let go
-    turn(t, [] {});
-    if (t < n_tiles) {
-      wait_full(full_k, t);
-      release(empty_k, t);
-    }
-    if (t >= 1) {
-      wait_full(full_v, t - 1);
-      release(empty_v, t - 1);
-    }
-  }
-  if (rows <= 0) return;
+    g0 += n_tiles;
+    if (rows <= 0) continue;
 
-  // Normalise, round once, stage in this consumer's own Q rows, write.
-  named_sync(1 + c, 128);  // every warp of this consumer is done reading its Q rows
-  float inv[2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const float l = warp_sum<4>(l_run[hf]);
-    inv[hf] = l > 0.f ? 1.f / l : 0.f;
-    const int row = r0 + 8 * hf;
-    if (p.lse != nullptr && q4 == 0 && row < rows)
-      p.lse[int64_t(r.q0 + first + row) * p.heads + h] = attn::lse2(m_run[hf], l) * attn::kLn2;
-  }
-  const uint32_t stage = smem + L::q;
-#pragma unroll
-  for (int j = 0; j < DV / 8; ++j)
+    // Normalise, round once, write: row r0 + 8 hf, 16-bit pairs (Q's rows may already hold the
+    // next item's queries).
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int row = kRows * c + r0 + 8 * hf, col = 8 * j + 2 * q4;
-      const uint32_t v = pack2<T>(o[4 * j + 2 * hf] * inv[hf], o[4 * j + 2 * hf + 1] * inv[hf]);
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + (col / 64) * kBlock + swizzled(row, col % 64)), "r"(v)
-                   : "memory");
+      const float l = warp_sum<4>(l_run[hf]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = r0 + 8 * hf;
+      if (row >= rows) continue;
+      if (p.lse != nullptr && q4 == 0)
+        p.lse[int64_t(r.q0 + first + row) * p.heads + w.h] = attn::lse2(m_run[hf], l) * attn::kLn2;
+      T* dst = out + int64_t(row) * p.heads * DV + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < DV / 8; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<T>(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
     }
-  named_sync(1 + c, 128);
-  constexpr int kChunks = DV / 8;
-  for (int i = tid; i < kRows * kChunks; i += 128) {
-    const int row = i / kChunks, chunk = i % kChunks;
-    if (row >= rows) break;
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(stage + tile_chunk(kRows * c + row, chunk))
-                 : "memory");
-    st_global16(out + int64_t(kRows * c + row) * p.heads * DV + chunk * 8, v);
   }
+  if (c == 0) named_sync(3, 256);  // consumer 1's last hand-over
 }
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "ragged_prefill (sm90a)", what); }
@@ -529,7 +606,9 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   maps.k_last = tensor_map_2d(k, kv_rows, k_cols, 64, kLast, sw, op);
   maps.v = tensor_map_2d(v, kv_rows, v_cols, 64, kBN, sw, op);
   maps.v_last = tensor_map_2d(v, kv_rows, v_cols, 64, kLast, sw, op);
-  const dim3 grid(unsigned(int64_t(plan.max_items) * p.heads));
+  // Persistent: one CTA an SM (or one per item, when fewer).
+  const dim3 grid(unsigned(
+      std::min<int64_t>(int64_t(plan.max_items) * p.heads, device_attr(device, cudaDevAttrMultiProcessorCount))));
   with_kernel(p.dtype, p.head_dim_qk, p.head_dim_v,
               [&](auto kernel, int bytes) { kernel<<<grid, kThreads, bytes, stream>>>(p, maps); });
   check(cudaGetLastError(), "kernel launch");
