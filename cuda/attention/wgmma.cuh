@@ -1,7 +1,7 @@
 // The Hopper (sm_90a) primitives of hmoe's warp-specialised attention kernels: wgmma with both
 // operands in shared memory or A in registers, its matrix descriptors for the 128-byte swizzled layout the TMA writes,
-// register reallocation, named barriers, mbarriers and 2-d TMA tensor loads. Only compiled for
-// sm_90a (the "sm90a" kernel family of arch/gpu.json).
+// register reallocation and named barriers (mbarriers and TMA loads: attention/mbarrier.cuh). Only
+// compiled for sm_90a (the "sm90a" kernel family of arch/gpu.json).
 //
 // Layout: an operand lives in shared memory as blocks of 64 16-bit columns (128-byte rows), rows
 // 128 bytes apart, each 16-byte chunk XOR-swizzled by the row's low 3 bits (the TMA's 128-byte
@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "attention/mbarrier.cuh"
 
 namespace hmoe {
 namespace attn {
@@ -165,42 +167,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Generic-proxy writes to shared memory visible to the async proxy (wgmma operands, TMA).
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase of parity `parity` of the mbarrier at `bar` has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// A 2-d box of the tensor behind `map` (a __grid_constant__ CUtensorMap) at column x, row y into
-// shared memory at `dst`, completing on the mbarrier at `bar`. Rows or columns outside the tensor
-// (negative ones too) arrive as zeros and still count their bytes.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int x, int y, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
 }
 
 }  // namespace sm90

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "attention/mbarrier.cuh"
 #include "attention/mma.cuh"
 #include "attention/page_walk.cuh"
 #include "hmoe/mla_decode.h"
@@ -136,9 +137,9 @@ struct TmaLoader {
   static_assert(kWarpBlocks == 2, "tile() issues two latent boxes a warp");
 
   __device__ __forceinline__ static void init(uint32_t bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    attn::sm90::mbar_init(bar, 1);
+    attn::sm90::mbar_init_fence();
+    attn::sm90::fence_async_smem();
   }
 
   __device__ __forceinline__ void tile(uint32_t buf, uint32_t bar, int row0) const {
@@ -160,14 +161,7 @@ struct TmaLoader {
 
   // Waits (every lane) until the warp's bytes of the buffer behind `bar` have landed; `parity` is
   // the buffer's use count mod 2.
-  __device__ __forceinline__ static void wait(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n .reg .pred done;\n"
-        "WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-  }
+  __device__ __forceinline__ static void wait(uint32_t bar, uint32_t parity) { attn::sm90::mbar_wait(bar, parity); }
 };
 
 // Zeroes this warp's columns of ring rows [valid, kTile) of the buffer at `buf` (a tile the TMA

@@ -1,0 +1,51 @@
+// The Hopper (sm_90 and newer) mbarrier, TMA and proxy-fence primitives of hmoe's attention
+// kernels: the sm90a family's warp-specialised kernels and the portable MLA decode kernel's TMA
+// loader (which instantiates them on sm_90+ only).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hmoe {
+namespace attn {
+namespace sm90 {
+
+// Generic-proxy writes to shared memory visible to the async proxy (wgmma operands, TMA).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` of the mbarrier at `bar` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// A 2-d box of the tensor behind `map` (a __grid_constant__ CUtensorMap) at column x, row y into
+// shared memory at `dst`, completing on the mbarrier at `bar`. Rows or columns outside the tensor
+// (negative ones too) arrive as zeros and still count their bytes.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+}  // namespace sm90
+}  // namespace attn
+}  // namespace hmoe
