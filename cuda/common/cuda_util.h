@@ -17,6 +17,13 @@ inline void check_cuda(cudaError_t err, const char* op, const char* what) {
                              cudaGetErrorString(err));
 }
 
+// A device attribute (cudaDeviceGetAttribute); `op` names the caller in errors.
+inline int device_attribute(int device, cudaDeviceAttr attr, const char* op) {
+  int v = 0;
+  check_cuda(cudaDeviceGetAttribute(&v, attr, device), op, "device attribute");
+  return v;
+}
+
 // Makes `device` current for the duration of a call and restores the caller's device (also when
 // the call throws), so that torch's notion of the current device is left as it was.
 class DeviceGuard {
@@ -62,6 +69,12 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   const __half2 v = __floats2half2_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A 16-byte global store (the compiler splits uint4 stores through T* into four).
+__device__ __forceinline__ void st_global16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // Butterfly reductions over the lanes `width` apart at most (width a power of two <= 32): every

@@ -389,12 +389,6 @@ __global__ void __launch_bounds__(32 * kWarps)
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "mla_decode", what); }
 
-int device_attr(int device, cudaDeviceAttr attr) {
-  int v = 0;
-  check(cudaDeviceGetAttribute(&v, attr, device), "device attribute");
-  return v;
-}
-
 // The compiled configurations, best first for each head count: {MT}: 32 or 16 heads per CTA
 // (~93 / ~83 KB: two CTAs per H100 SM, one per sm_89 SM). More heads per CTA would need more
 // registers for O and Q than a thread has; a third ring buffer ran no faster and 16-token steps
@@ -469,10 +463,10 @@ int choose_config(int limit, int heads, int forced) {
 
 MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, int page_size, int config,
                               bool allow_tma) {
-  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  const int sms = device_attr(device, cudaDevAttrMultiProcessorCount);
-  const int smem_sm = device_attr(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor);
-  const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
+  const int limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "mla_decode");
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount, "mla_decode");
+  const int smem_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, "mla_decode");
+  const int cc_major = device_attribute(device, cudaDevAttrComputeCapabilityMajor, "mla_decode");
   MlaDecodePlan plan{};
   plan.config = choose_config(limit, heads, config);
   plan.loader = choose_loader(cc_major, plan.config, page_size, allow_tma);
@@ -490,7 +484,7 @@ const char* mla_decode_declines(int, int) { return nullptr; }  // every shape, a
 
 void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");
-  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  const int limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "mla_decode");
   auto set = [&](auto kernel, int bytes, int) {
     if (bytes <= limit)
       check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
@@ -501,7 +495,7 @@ void mla_decode_prewarm(int device) {
       with_config<__half>(c, loader, set);
     }
   }
-  const int cc_major = device_attr(device, cudaDevAttrComputeCapabilityMajor);
+  const int cc_major = device_attribute(device, cudaDevAttrComputeCapabilityMajor, "mla_decode");
   for (int c = 0; c < kNumConfigs; ++c)
     if (choose_loader(cc_major, c, kTile, true) == kLoadTma) encode_tiled("mla_decode");
   mla_combine_prewarm();
@@ -535,7 +529,8 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
     with_config<__half>(plan.config, plan.loader, launch);
   check(cudaGetLastError(), "kernel launch");
   // Programmatic dependent launch exists on sm_90+ only.
-  if (p.num_splits > 1) mla_combine(p, stream, device_attr(device, cudaDevAttrComputeCapabilityMajor) >= 9);
+  if (p.num_splits > 1)
+    mla_combine(p, stream, device_attribute(device, cudaDevAttrComputeCapabilityMajor, "mla_decode") >= 9);
 }
 
 }  // namespace hmoe

@@ -292,12 +292,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "mla_decode (sm90a)", what); }
 
-int device_attr(int device, cudaDeviceAttr attr) {
-  int v = 0;
-  check(cudaDeviceGetAttribute(&v, attr, device), "device attribute");
-  return v;
-}
-
 template <typename F>
 void with_kernel(int dtype, F&& f) {
   if (dtype == kBF16)
@@ -325,7 +319,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   if (config > 0)
     throw std::invalid_argument("mla_decode (sm90a): configuration " + std::to_string(config) +
                                 " does not exist (there is one, 0)");
-  if (device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin) < Smem::bytes)
+  if (device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "mla_decode (sm90a)") < Smem::bytes)
     throw std::runtime_error("mla_decode (sm90a): the device's shared memory per block is below " +
                              std::to_string(Smem::bytes) + " bytes");
   MlaDecodePlan plan{};
@@ -334,7 +328,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   plan.heads_per_cta = kHeads;
   plan.tile_tokens = kTile;
   plan.smem_bytes = Smem::bytes;
-  const int sms = device_attr(device, cudaDevAttrMultiProcessorCount);
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount, "mla_decode (sm90a)");
   const int ctas = batch * ((heads + kHeads - 1) / kHeads);
   plan.num_splits = mla_num_splits(sms, ctas, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
   return plan;
@@ -342,7 +336,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
 
 void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");
-  if (device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin) >= Smem::bytes)
+  if (device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "mla_decode (sm90a)") >= Smem::bytes)
     for (int dtype : {kBF16, kF16})
       with_kernel(dtype, [](auto kernel) {
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes), "smem attribute");

@@ -98,12 +98,6 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int64_
   }
 }
 
-// A 16-byte store (the compiler split uint4 stores through T* into four).
-__device__ __forceinline__ void st_global16(void* dst, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
 template <typename T, typename C, typename Kv>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(const PrefillParams p) {
   constexpr int BM = C::kBM, BN = C::kBN, DQK = C::kDqk, DV = C::kDv, NT = C::kThreads;

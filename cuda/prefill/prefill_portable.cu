@@ -22,12 +22,6 @@ using namespace prefill;
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "prefill", what); }
 
-int device_attr(int device, cudaDeviceAttr attr) {
-  int v = 0;
-  check(cudaDeviceGetAttribute(&v, attr, device), "device attribute");
-  return v;
-}
-
 bool has_dims(const PortableConfig& c, int dqk, int dv) { return c.dqk == dqk && c.dv == dv; }
 
 // Calls the per-head-dims function for (dqk, dv): f(std::integral_constant pair).
@@ -48,8 +42,8 @@ void with_dims(int dqk, int dv, F&& f) {
 
 PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int kv_heads, int head_dim_qk,
                          int head_dim_v, int config) {
-  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
-  const int smem_sm = device_attr(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+  const int limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "prefill");
+  const int smem_sm = device_attribute(device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, "prefill");
   int chosen = -1;
   if (config >= 0) {
     if (config >= kNumPortableConfigs || !has_dims(kPortableConfigs[config], head_dim_qk, head_dim_v) ||
@@ -74,14 +68,8 @@ PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int 
   plan.tile_kv = c.bn;
   plan.kv_stages = c.kstages;
   plan.smem_bytes = portable_smem(c);
-  // Every request's last q tile may be partial: floor(total_q / tile_q) + batch tiles at most.
-  const int64_t items = total_q / plan.tile_q + batch;
-  if (items * heads > INT32_MAX)
-    throw std::invalid_argument("prefill: " + std::to_string(items) + " q tiles x " + std::to_string(heads) +
-                                " heads exceed the CUDA grid (2^31 - 1 CTAs)");
-  plan.max_items = int32_t(items);
+  size_work_list(plan, total_q, batch, heads);
   plan.ctas_per_sm = std::min(c.warps == 4 ? 2 : 1, smem_sm / (plan.smem_bytes + 1024));  // the launch bounds
-  plan.workspace = int32_t(ScheduleLayout(batch, plan.max_items).words);
   (void)kv_heads;  // the plan is the same for every GQA ratio
   return plan;
 }
@@ -92,17 +80,14 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   // launching a kernel of other head dims or with a work list of another size.
   if (plan.config < 0 || plan.config >= kNumPortableConfigs ||
       !has_dims(kPortableConfigs[plan.config], p0.head_dim_qk, p0.head_dim_v) ||
-      plan.tile_q != portable_tile_q(kPortableConfigs[plan.config]) ||
-      plan.max_items != int64_t(p0.total_q) / plan.tile_q + p0.batch ||
-      plan.workspace != ScheduleLayout(p0.batch, plan.max_items).words || p0.heads % p0.kv_heads != 0)
+      plan.tile_q != portable_tile_q(kPortableConfigs[plan.config]) || !work_list_fits(p0, plan))
     throw std::invalid_argument("prefill: the plan does not fit this call (compute it with prefill_plan)");
   if (p0.batch == 0 || p0.total_q == 0) return;
   const DeviceGuard guard(device, "prefill");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   PrefillParams p = p0;
   p.max_items = plan.max_items;
-  prefill_schedule_kernel<kScheduleThreads><<<1, kScheduleThreads, 0, stream>>>(p, plan.tile_q);
-  check(cudaGetLastError(), "schedule launch");
+  launch_schedule(p, plan.tile_q, stream, "prefill");
   with_dims(p.head_dim_qk, p.head_dim_v, [&](auto dqk, auto dv) {
     portable_kernel_launch<decltype(dqk)::value, decltype(dv)::value>(p, plan.config, stream);
   });
@@ -110,7 +95,7 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
 
 void prefill_prewarm(int device) {
   const DeviceGuard guard(device, "prefill");
-  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  const int limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "prefill");
   portable_kernel_prewarm<192, 128>(limit);
   portable_kernel_prewarm<128, 128>(limit);
   portable_kernel_prewarm<64, 64>(limit);

@@ -6,8 +6,12 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
+#include "common/cuda_util.h"
 #include "hmoe/prefill.h"
 
 namespace hmoe {
@@ -155,6 +159,35 @@ __global__ void __launch_bounds__(kThreads) prefill_schedule_kernel(const Prefil
 
   for (int w = tid; w < n_items; w += nt) work[atomicAdd(&bucket[keys[w]], 1)] = items[w];
   for (int w = n_items + tid; w < p.max_items; w += nt) work[w] = make_int2(-1, 0);
+}
+
+// A plan's work list for plan.tile_q query rows a CTA, the same rule for every family: every
+// request's last q tile may be partial, so floor(total_q / tile_q) + batch tiles at most. Sets
+// plan.max_items and plan.workspace; throws std::invalid_argument when items x heads CTAs would
+// exceed the CUDA grid.
+inline void size_work_list(PrefillPlan& plan, int64_t total_q, int batch, int heads) {
+  const int64_t items = total_q / plan.tile_q + batch;
+  if (items * heads > INT32_MAX)
+    throw std::invalid_argument("prefill: " + std::to_string(items) + " q tiles x " + std::to_string(heads) +
+                                " heads exceed the CUDA grid (2^31 - 1 CTAs)");
+  plan.max_items = int32_t(items);
+  plan.workspace = int32_t(ScheduleLayout(batch, plan.max_items).words);
+}
+
+// Whether plan's work list is the one size_work_list gives this call (a stale or foreign plan
+// must not launch with a work list of another size) and the heads divide.
+inline bool work_list_fits(const PrefillParams& p, const PrefillPlan& plan) {
+  return plan.tile_q > 0 && plan.max_items == int64_t(p.total_q) / plan.tile_q + p.batch &&
+         plan.workspace == ScheduleLayout(p.batch, plan.max_items).words && p.heads % p.kv_heads == 0;
+}
+
+// Launches the schedule of a call (p.max_items = plan.max_items) on `stream`, before the
+// attention kernel; `op` names the caller in errors. A template, like the kernel, so that only a
+// translation unit that calls it compiles the kernel.
+template <int kThreads = kScheduleThreads>
+void launch_schedule(const PrefillParams& p, int tile_q, cudaStream_t stream, const char* op) {
+  prefill_schedule_kernel<kThreads><<<1, kThreads, 0, stream>>>(p, tile_q);
+  check_cuda(cudaGetLastError(), op, "schedule launch");
 }
 
 }  // namespace prefill

@@ -94,10 +94,6 @@ __device__ __forceinline__ uint4 ld_global16(const void* src) {
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
   return v;
 }
-__device__ __forceinline__ void st_global16(void* dst, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
 
 // Row `row` (0..127) of a tile, 16-byte chunk `chunk` (8 a block), in the 128-byte swizzle.
 __device__ __forceinline__ uint32_t tile_chunk(int row, int chunk) {
@@ -524,12 +520,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "ragged_prefill (sm90a)", what); }
 
-int device_attr(int device, cudaDeviceAttr attr) {
-  int v = 0;
-  check(cudaDeviceGetAttribute(&v, attr, device), "device attribute");
-  return v;
-}
-
 // f(kernel, smem bytes) for the kernel of (dtype, head dims).
 template <typename F>
 void with_kernel(int dtype, int dqk, int dv, F&& f) {
@@ -556,7 +546,7 @@ PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int 
                                 " does not exist (there is one, 0)");
   int smem = 0;
   with_kernel(kBF16, head_dim_qk, head_dim_v, [&](auto, int bytes) { smem = bytes; });
-  if (device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin) < smem)
+  if (device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "ragged_prefill (sm90a)") < smem)
     throw std::runtime_error("ragged_prefill (sm90a): the device's shared memory per block is below " +
                              std::to_string(smem) + " bytes");
   PrefillPlan plan{};
@@ -566,12 +556,7 @@ PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int 
   plan.kv_stages = kStages;
   plan.smem_bytes = smem;
   plan.ctas_per_sm = 1;
-  const int64_t items = total_q / kBM + batch;  // every request's last q tile may be partial
-  if (items * heads > INT32_MAX)
-    throw std::invalid_argument("ragged_prefill: " + std::to_string(items) + " q tiles x " + std::to_string(heads) +
-                                " heads exceed the CUDA grid (2^31 - 1 CTAs)");
-  plan.max_items = int32_t(items);
-  plan.workspace = int32_t(prefill::ScheduleLayout(batch, plan.max_items).words);
+  prefill::size_work_list(plan, total_q, batch, heads);
   (void)kv_heads;  // the plan is the same for every GQA ratio
   return plan;
 }
@@ -581,16 +566,14 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   if (p0.kv != kPrefillRagged)
     throw std::invalid_argument(
         "prefill (sm90a): only ragged keys and values (paged_prefill is the portable family's)");
-  if (plan.config != 0 || plan.tile_q != kBM || plan.max_items != int64_t(p0.total_q) / kBM + p0.batch ||
-      plan.workspace != prefill::ScheduleLayout(p0.batch, plan.max_items).words || p0.heads % p0.kv_heads != 0)
+  if (plan.config != 0 || plan.tile_q != kBM || !prefill::work_list_fits(p0, plan))
     throw std::invalid_argument("prefill: the plan does not fit this call (compute it with prefill_plan)");
   if (p0.batch == 0 || p0.total_q == 0) return;
   const DeviceGuard guard(device, "ragged_prefill");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   PrefillParams p = p0;
   p.max_items = plan.max_items;
-  prefill::prefill_schedule_kernel<prefill::kScheduleThreads><<<1, prefill::kScheduleThreads, 0, stream>>>(p, kBM);
-  check(cudaGetLastError(), "schedule launch");
+  prefill::launch_schedule(p, kBM, stream, "ragged_prefill");
   const char* op = "ragged_prefill";
   const auto sw = CU_TENSOR_MAP_SWIZZLE_128B;
   Maps maps;
@@ -607,8 +590,9 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   maps.v = tensor_map_2d(v, kv_rows, v_cols, 64, kBN, sw, op);
   maps.v_last = tensor_map_2d(v, kv_rows, v_cols, 64, kLast, sw, op);
   // Persistent: one CTA an SM (or one per item, when fewer).
-  const dim3 grid(unsigned(
-      std::min<int64_t>(int64_t(plan.max_items) * p.heads, device_attr(device, cudaDevAttrMultiProcessorCount))));
+  const dim3 grid(
+      unsigned(std::min<int64_t>(int64_t(plan.max_items) * p.heads,
+                                 device_attribute(device, cudaDevAttrMultiProcessorCount, "ragged_prefill (sm90a)"))));
   with_kernel(p.dtype, p.head_dim_qk, p.head_dim_v,
               [&](auto kernel, int bytes) { kernel<<<grid, kThreads, bytes, stream>>>(p, maps); });
   check(cudaGetLastError(), "kernel launch");
@@ -616,7 +600,7 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
 
 void prefill_prewarm(int device) {
   const DeviceGuard guard(device, "ragged_prefill");
-  const int limit = device_attr(device, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  const int limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "ragged_prefill (sm90a)");
   for (int dtype : {kBF16, kF16})
     for (const auto& d : kPrefillHeadDims)
       with_kernel(dtype, d[0], d[1], [&](auto kernel, int bytes) {
