@@ -160,6 +160,11 @@ __device__ __forceinline__ void regs_shrink() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// x, which every lane of the warp holds, as the compiler can see it: a broadcast from lane 0. What
+// is computed from it (shared-memory addresses, wgmma descriptors, loop counts) then lives in
+// uniform registers, not copied there (R2UR) before every wgmma.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: wait for all of them, or
 // (named_arrive) count this thread's arrival and go on.
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -51,21 +51,22 @@ using prefill::Request;
 constexpr int kBM = 128;           // query rows per CTA: two consumers of 64 (wgmma's M)
 constexpr int kRows = 64;          // query rows per consumer
 constexpr int kBN = 128;           // keys per tile
-constexpr int kStages = 2;         // K and V buffers each
 constexpr int kBlock = 128 * 128;  // a 64-column block of 128 rows (Q or a K/V tile)
 constexpr int kThreads = 384;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kLast = 8;           // rows of the boxes of a tile's last part
 
 // Shared memory, offsets from a 1024-byte aligned base (the launcher adds 1024 bytes of slack).
+// K and V buffers: as many as fit in 227 KB (192 x 128: two each; 128 x 128 and 64 x 64: three).
 template <int DQK, int DV>
 struct Layout {
   static constexpr int kQBlocks = DQK / 64, kVBlocks = DV / 64;
+  static constexpr int kStages = DQK == 192 ? 2 : 3;
   static constexpr int q = 0;
   static constexpr int k = q + kQBlocks * kBlock;               // [stage][block]
   static constexpr int v = k + kStages * kQBlocks * kBlock;     // [stage][block]
   static constexpr int bars = v + kStages * kVBlocks * kBlock;  // see Bars
-  static constexpr int items = bars + 8 * (4 * kStages + 8);    // the item ring: 2 int32
-  static constexpr int end = items + 8;
+  static constexpr int items = bars + 8 * (4 * kStages + 8);    // the item ring: 2 Work
+  static constexpr int end = items + 2 * 40;
   static constexpr int bytes = end + 1024;
   static_assert(DQK % 64 == 0 && DV % 64 == 0 && DV <= DQK && (DV == 64 || DV == 128),
                 "whole 64-column blocks; O (<= 128 columns) is staged in Q's rows");
@@ -108,24 +109,29 @@ struct TileRows {
       : row0(r.kv0 + t * kBN), rows(min(kBN, r.lk - t * kBN)), whole(rows == kBN ? kBN : rows / kLast * kLast) {}
 };
 
-// One work item of the grid-stride loop: q tile `q_first / kBM` of request b, query head h. All
-// roles of a CTA walk the same items and agree on everything here.
+// One work item: q tile `q_first / kBM` of request r, query head h. The TMA thread reads item i
+// of the `total` from the work list and passes it on to every role of the CTA (ItemRing).
 struct Work {
   Request r;
   int h, kvh, q_first, q_rows, n_tiles;
-  bool valid;  // false: an unused slot of the work list
-  __device__ __forceinline__ Work(const PrefillParams& p, int i) {
+  int state;  // 1: an item; 0: an unused slot of the work list; -1: no more items
+  __device__ __forceinline__ static Work fetch(const PrefillParams& p, int i, int total) {
+    Work w{};
+    w.state = -1;
+    if (i >= total) return w;
     const int slot = i % p.max_items;
-    h = i / p.max_items;
+    w.h = i / p.max_items;
     const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
-    valid = item.x >= 0;
-    r = prefill::request(p, valid ? item.x : 0);
-    kvh = h / (p.heads / p.kv_heads);
-    q_first = item.y * kBM;
-    q_rows = min(kBM, r.lq - q_first);
-    n_tiles = valid ? (prefill::visible_keys(r, p.causal, q_first + q_rows - 1) + kBN - 1) / kBN : 0;
+    w.state = item.x >= 0 ? 1 : 0;
+    w.r = prefill::request(p, w.state ? item.x : 0);
+    w.kvh = w.h / (p.heads / p.kv_heads);
+    w.q_first = item.y * kBM;
+    w.q_rows = min(kBM, w.r.lq - w.q_first);
+    w.n_tiles = w.state ? (prefill::visible_keys(w.r, p.causal, w.q_first + w.q_rows - 1) + kBN - 1) / kBN : 0;
+    return w;
   }
 };
+static_assert(sizeof(Work) == 40, "Layout::items holds two");
 
 // The barriers (8 bytes each): per ring stage, K and V full (the TMA thread's arrival with the
 // bytes and warp 1's) and empty (one arrival per consumer); per consumer, its Q rows full (the
@@ -135,6 +141,7 @@ template <int DQK, int DV>
 struct Bars {
   uint32_t full_k, full_v, empty_k, empty_v, q_full, q_empty, item_full, item_empty;
   __device__ __forceinline__ explicit Bars(uint32_t smem) {
+    constexpr int kStages = Layout<DQK, DV>::kStages;
     full_k = smem + Layout<DQK, DV>::bars;
     full_v = full_k + 8 * kStages;
     empty_k = full_v + 8 * kStages;
@@ -149,38 +156,46 @@ constexpr int kItemReaders = 2 * 128 + 32;  // arrivals on item_empty
 
 // The work items of a CTA: blockIdx.x first, then whatever the call's counter hands out (items
 // in head-major order, heaviest q tiles of a head first, so the CTAs at work share a head's K/V
-// in L2 and the light tiles come last). The TMA thread fetches them and passes each on through a
-// ring of two slots; everyone else reads them there. -1: no more.
+// in L2 and the light tiles come last). The TMA thread fetches them (the work list's and the
+// request bounds' global loads are its alone) and passes each on through a ring of two slots in
+// shared memory; everyone else reads them there.
 struct ItemRing {
   uint32_t full, empty;
-  volatile int* slot;
+  Work* slot;
   int k = 0;  // items passed so far
   __device__ __forceinline__ ItemRing(uint32_t f, uint32_t e, unsigned char* s)
-      : full(f), empty(e), slot(reinterpret_cast<volatile int*>(s)) {}
-  __device__ __forceinline__ void put(int i) {
+      : full(f), empty(e), slot(reinterpret_cast<Work*>(s)) {}
+  __device__ __forceinline__ void put(const Work& w) {
     if (k >= 2) mbar_wait(empty + 8 * (k % 2), ((k / 2) - 1) & 1);
-    slot[k % 2] = i;
-    mbar_arrive(full + 8 * (k % 2));  // release: the index is visible to whoever waits on it
+    slot[k % 2] = w;
+    mbar_arrive(full + 8 * (k % 2));  // release: the item is visible to whoever waits on it
     ++k;
   }
-  __device__ __forceinline__ int get() {
+  __device__ __forceinline__ Work get() {
     mbar_wait(full + 8 * (k % 2), (k / 2) & 1);
-    const int i = slot[k % 2];
+    const Work w = slot[k % 2];
     mbar_arrive(empty + 8 * (k % 2));
     ++k;
-    return i;
+    return w;
   }
 };
 
-// Ring slot of the CTA's g-th tile (counted over all its items) and the parity of its phase.
-__device__ __forceinline__ uint32_t slot_bar(uint32_t bars, int g) { return bars + 8 * (g % kStages); }
-__device__ __forceinline__ uint32_t slot_parity(int g) { return (g / kStages) & 1; }
+// Slot of the CTA's g-th tile (counted over all its items) in a ring of S, and its phase's parity.
+template <int S>
+__device__ __forceinline__ uint32_t slot_bar(uint32_t bars, int g) {
+  return bars + 8 * (g % S);
+}
+template <int S>
+__device__ __forceinline__ uint32_t slot_parity(int g) {
+  return (g / S) & 1;
+}
 
-// The producer's TMA thread: for each item, each consumer's Q rows once it is done with the last
-// ones, then tile by tile K and V of the request's keys into the ring.
+// The producer's TMA thread: for each item, tile by tile K and V of the request's keys into the
+// ring, and after the first tile's K each consumer's Q rows once it is done with its last ones.
 template <int DQK, int DV>
 __device__ __forceinline__ void produce(const PrefillParams& p, const Maps& maps, uint32_t smem, ItemRing& ring) {
   using L = Layout<DQK, DV>;
+  constexpr int kStages = L::kStages;
   const Bars<DQK, DV> bar(smem);
   const int total = p.max_items * p.heads;
   int* counter = p.workspace + prefill::ScheduleLayout(p.batch, p.max_items).counter;
@@ -198,27 +213,28 @@ __device__ __forceinline__ void produce(const PrefillParams& p, const Maps& maps
   };
   int g = 0, nq = 0;  // tiles and Q loads so far
   for (int i = blockIdx.x;; i = gridDim.x + atomicAdd(counter, 1)) {
-    ring.put(i < total ? i : -1);
-    if (i >= total) break;
-    const Work w(p, i);
-    if (w.n_tiles == 0) continue;
-    for (int c = 0; c < 2; ++c) {
-      if (nq > 0) mbar_wait(bar.q_empty + 8 * c, (nq - 1) & 1);
-      mbar_expect_tx(bar.q_full + 8 * c, L::kQBlocks * kRows * 128);
-      for (int blk = 0; blk < L::kQBlocks; ++blk)
-        tma_load_2d(smem + L::q + blk * kBlock + kRows * c * 128, &maps.q, w.h * DQK + 64 * blk,
-                    w.r.q0 + w.q_first + kRows * c, bar.q_full + 8 * c);
-    }
-    ++nq;
+    const Work w = Work::fetch(p, i, total);
+    ring.put(w);
+    if (w.state < 0) break;
 #pragma unroll 1
     for (int t = 0; t < w.n_tiles; ++t, ++g) {
       const TileRows tr(w.r, t);
-      if (g >= kStages) mbar_wait(slot_bar(bar.empty_k, g), slot_parity(g) ^ 1);
+      if (g >= kStages) mbar_wait(slot_bar<kStages>(bar.empty_k, g), slot_parity<kStages>(g) ^ 1);
       load(&maps.k, &maps.k_last, L::kQBlocks, w.kvh * DQK, smem + L::k + (g % kStages) * L::kQBlocks * kBlock,
-           slot_bar(bar.full_k, g), tr);
-      if (g >= kStages) mbar_wait(slot_bar(bar.empty_v, g), slot_parity(g) ^ 1);
+           slot_bar<kStages>(bar.full_k, g), tr);
+      if (t == 0) {  // each consumer's Q rows, behind the first K: its first S waits for both
+        for (int c = 0; c < 2; ++c) {
+          if (nq > 0) mbar_wait(bar.q_empty + 8 * c, (nq - 1) & 1);
+          mbar_expect_tx(bar.q_full + 8 * c, L::kQBlocks * kRows * 128);
+          for (int blk = 0; blk < L::kQBlocks; ++blk)
+            tma_load_2d(smem + L::q + blk * kBlock + kRows * c * 128, &maps.q, w.h * DQK + 64 * blk,
+                        w.r.q0 + w.q_first + kRows * c, bar.q_full + 8 * c);
+        }
+        ++nq;
+      }
+      if (g >= kStages) mbar_wait(slot_bar<kStages>(bar.empty_v, g), slot_parity<kStages>(g) ^ 1);
       load(&maps.v, &maps.v_last, L::kVBlocks, w.kvh * DV, smem + L::v + (g % kStages) * L::kVBlocks * kBlock,
-           slot_bar(bar.full_v, g), tr);
+           slot_bar<kStages>(bar.full_v, g), tr);
     }
   }
 }
@@ -228,15 +244,15 @@ __device__ __forceinline__ void produce(const PrefillParams& p, const Maps& maps
 template <int DQK, int DV>
 __device__ __forceinline__ void produce_last_rows(const PrefillParams& p, uint32_t smem, ItemRing& ring) {
   using L = Layout<DQK, DV>;
+  constexpr int kStages = L::kStages;
   const Bars<DQK, DV> bar(smem);
   const int lane = threadIdx.x % 32;
   int g = 0;
-  for (int i = ring.get(); i >= 0; i = ring.get()) {
-    const Work w(p, i);
+  for (Work w = ring.get(); w.state >= 0; w = ring.get()) {
 #pragma unroll 1
     for (int t = 0; t < w.n_tiles; ++t, ++g) {
       const TileRows tr(w.r, t);
-      if (g >= kStages) mbar_wait(slot_bar(bar.empty_k, g), slot_parity(g) ^ 1);
+      if (g >= kStages) mbar_wait(slot_bar<kStages>(bar.empty_k, g), slot_parity<kStages>(g) ^ 1);
       if (tr.whole < kBN) {
         constexpr int kChunks = DQK / 8;
         const uint32_t buf = smem + L::k + (g % kStages) * L::kQBlocks * kBlock;
@@ -249,8 +265,8 @@ __device__ __forceinline__ void produce_last_rows(const PrefillParams& p, uint32
         fence_async_smem();  // generic-proxy writes visible to the consumers' wgmma
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(slot_bar(bar.full_k, g));
-      if (g >= kStages) mbar_wait(slot_bar(bar.empty_v, g), slot_parity(g) ^ 1);
+      if (lane == 0) mbar_arrive(slot_bar<kStages>(bar.full_k, g));
+      if (g >= kStages) mbar_wait(slot_bar<kStages>(bar.empty_v, g), slot_parity<kStages>(g) ^ 1);
       if (tr.whole < kBN) {
         constexpr int kChunks = DV / 8;
         const uint32_t buf = smem + L::v + (g % kStages) * L::kVBlocks * kBlock;
@@ -264,7 +280,7 @@ __device__ __forceinline__ void produce_last_rows(const PrefillParams& p, uint32
         fence_async_smem();
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(slot_bar(bar.full_v, g));
+      if (lane == 0) mbar_arrive(slot_bar<kStages>(bar.full_v, g));
     }
   }
 }
@@ -275,6 +291,7 @@ template <typename T, int DQK, int DV>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_sm90a_kernel(const PrefillParams p, const __grid_constant__ Maps maps) {
   using L = Layout<DQK, DV>;
+  constexpr int kStages = L::kStages;
   extern __shared__ __align__(1024) unsigned char smem_window[];
   const uint32_t smem = (attn::smem_addr(smem_window) + 1023) & ~1023u;
   const Bars<DQK, DV> bar(smem);
@@ -296,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   ItemRing ring(bar.item_full, bar.item_empty, smem_window + (smem - attn::smem_addr(smem_window)) + L::items);
 
-  const int wg = threadIdx.x / 128;
+  const int wg = warp_uniform(threadIdx.x / 128);
   if (wg == 0) {  // producer
     // The launch gives every thread 168 registers (__launch_bounds__(384, 1)); a consumer's
     // setmaxnreg.inc waits until the producer's dec has freed what it asks for: 40 + 2 x 232 = 3 x 168.
@@ -317,9 +334,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   auto k_buf = [&](int g) { return smem + L::k + (g % kStages) * L::kQBlocks * kBlock; };
   auto v_buf = [&](int g) { return smem + L::v + (g % kStages) * L::kVBlocks * kBlock; };
-  auto wait_full = [&](uint32_t bars, int g) { mbar_wait(slot_bar(bars, g), slot_parity(g)); };
+  auto wait_full = [&](uint32_t bars, int g) { mbar_wait(slot_bar<kStages>(bars, g), slot_parity<kStages>(g)); };
   auto release = [&](uint32_t bars, int g) {
-    if (tid == 0) mbar_arrive(slot_bar(bars, g));
+    if (tid == 0) mbar_arrive(slot_bar<kStages>(bars, g));
   };
   auto issue_s = [&](int g) {  // S = Q K^T for the tile in slot g (asynchronous)
     wgmma_fence();
@@ -366,9 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (c == 1) named_arrive(3, 256);
   constexpr bool kMask = true, kWhole = false;  // softmax's literal flags
 
-  for (int i = ring.get(); i >= 0; i = ring.get()) {
-    const Work w(p, i);
-    if (!w.valid) continue;
+  for (Work w = ring.get(); w.state >= 0; w = ring.get()) {
+    if (w.state == 0) continue;
     const Request& r = w.r;
     const int rows = min(kRows, w.q_rows - kRows * c);  // <= 0: this consumer has no query row
     const int first = w.q_first + kRows * c;            // its first row within the request
@@ -380,10 +396,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = tid; j < rows; j += 128) p.lse[int64_t(r.q0 + first + j) * p.heads + w.h] = -INFINITY;
       continue;
     }
-    const int n_tiles = w.n_tiles;
-    const int n_own = rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0;
+    // The tile counts are warp-uniform, and so said to the compiler: then the buffer addresses and
+    // the wgmma descriptors derived from them stay in uniform registers.
+    const int n_tiles = warp_uniform(w.n_tiles);
+    const int n_own =
+        warp_uniform(rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0);
     // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
-    const int n_full = rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0;
+    const int n_full = warp_uniform(rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0);
     m_run[0] = m_run[1] = -INFINITY;
     l_run[0] = l_run[1] = 0.f;
 #pragma unroll
@@ -520,18 +539,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "ragged_prefill (sm90a)", what); }
 
-// f(kernel, smem bytes) for the kernel of (dtype, head dims).
+// f(kernel, layout) for the kernel of (dtype, head dims); layout: a Layout<DQK, DV>.
 template <typename F>
 void with_kernel(int dtype, int dqk, int dv, F&& f) {
-  auto dims = [&](auto kbf16, auto kf16, int bytes) { dtype == kBF16 ? f(kbf16, bytes) : f(kf16, bytes); };
+  auto dims = [&](auto kbf16, auto kf16, auto layout) { dtype == kBF16 ? f(kbf16, layout) : f(kf16, layout); };
   if (dqk == 192 && dv == 128)
-    dims(prefill_sm90a_kernel<__nv_bfloat16, 192, 128>, prefill_sm90a_kernel<__half, 192, 128>,
-         Layout<192, 128>::bytes);
+    dims(prefill_sm90a_kernel<__nv_bfloat16, 192, 128>, prefill_sm90a_kernel<__half, 192, 128>, Layout<192, 128>{});
   else if (dqk == 128 && dv == 128)
-    dims(prefill_sm90a_kernel<__nv_bfloat16, 128, 128>, prefill_sm90a_kernel<__half, 128, 128>,
-         Layout<128, 128>::bytes);
+    dims(prefill_sm90a_kernel<__nv_bfloat16, 128, 128>, prefill_sm90a_kernel<__half, 128, 128>, Layout<128, 128>{});
   else if (dqk == 64 && dv == 64)
-    dims(prefill_sm90a_kernel<__nv_bfloat16, 64, 64>, prefill_sm90a_kernel<__half, 64, 64>, Layout<64, 64>::bytes);
+    dims(prefill_sm90a_kernel<__nv_bfloat16, 64, 64>, prefill_sm90a_kernel<__half, 64, 64>, Layout<64, 64>{});
   else
     throw std::invalid_argument("ragged_prefill (sm90a): head dims (" + std::to_string(dqk) + ", " +
                                 std::to_string(dv) + ") are not built");
@@ -544,8 +561,11 @@ PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int 
   if (config > 0)
     throw std::invalid_argument("ragged_prefill (sm90a): configuration " + std::to_string(config) +
                                 " does not exist (there is one, 0)");
-  int smem = 0;
-  with_kernel(kBF16, head_dim_qk, head_dim_v, [&](auto, int bytes) { smem = bytes; });
+  int smem = 0, stages = 0;
+  with_kernel(kBF16, head_dim_qk, head_dim_v, [&](auto, auto layout) {
+    smem = decltype(layout)::bytes;
+    stages = decltype(layout)::kStages;
+  });
   if (device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "ragged_prefill (sm90a)") < smem)
     throw std::runtime_error("ragged_prefill (sm90a): the device's shared memory per block is below " +
                              std::to_string(smem) + " bytes");
@@ -553,7 +573,7 @@ PrefillPlan prefill_plan(int device, int64_t total_q, int batch, int heads, int 
   plan.config = 0;
   plan.tile_q = kBM;
   plan.tile_kv = kBN;
-  plan.kv_stages = kStages;
+  plan.kv_stages = stages;
   plan.smem_bytes = smem;
   plan.ctas_per_sm = 1;
   prefill::size_work_list(plan, total_q, batch, heads);
@@ -594,7 +614,7 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
       unsigned(std::min<int64_t>(int64_t(plan.max_items) * p.heads,
                                  device_attribute(device, cudaDevAttrMultiProcessorCount, "ragged_prefill (sm90a)"))));
   with_kernel(p.dtype, p.head_dim_qk, p.head_dim_v,
-              [&](auto kernel, int bytes) { kernel<<<grid, kThreads, bytes, stream>>>(p, maps); });
+              [&](auto kernel, auto layout) { kernel<<<grid, kThreads, decltype(layout)::bytes, stream>>>(p, maps); });
   check(cudaGetLastError(), "kernel launch");
 }
 
@@ -603,7 +623,8 @@ void prefill_prewarm(int device) {
   const int limit = device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "ragged_prefill (sm90a)");
   for (int dtype : {kBF16, kF16})
     for (const auto& d : kPrefillHeadDims)
-      with_kernel(dtype, d[0], d[1], [&](auto kernel, int bytes) {
+      with_kernel(dtype, d[0], d[1], [&](auto kernel, auto layout) {
+        constexpr int bytes = decltype(layout)::bytes;
         if (bytes <= limit)
           check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "smem attribute");
       });
