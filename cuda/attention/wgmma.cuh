@@ -30,6 +30,10 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
          uint64_t((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t(1) << 62;
 }
 __device__ __forceinline__ uint64_t k_major(uint32_t addr) { return smem_desc(addr, 16, 1024); }
+// The descriptor of addr + bytes from that of addr: the start address field (16-byte units) does
+// not carry out of its 14 bits below 256 KB of shared memory. One add, where a descriptor built
+// from scratch is a chain of four operations before every wgmma.
+__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 __device__ __forceinline__ uint64_t n_major(uint32_t addr, uint32_t block_bytes) {
   return smem_desc(addr, block_bytes, 1024);
 }

@@ -338,21 +338,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto release = [&](uint32_t bars, int g) {
     if (tid == 0) mbar_arrive(slot_bar<kStages>(bars, g));
   };
+  const uint64_t q_desc = k_major(smem + L::q + kRows * c * 128);  // this consumer's Q rows
   auto issue_s = [&](int g) {  // S = Q K^T for the tile in slot g (asynchronous)
+    const uint64_t k_desc = k_major(k_buf(g));
     wgmma_fence();
 #pragma unroll
     for (int blk = 0; blk < L::kQBlocks; ++blk)
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma<Wgmma64x128<0>, T>(s, k_major(smem + L::q + blk * kBlock + kRows * c * 128 + kk * 32),
-                                 k_major(k_buf(g) + blk * kBlock + kk * 32), blk + kk > 0);
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t step = blk * kBlock + kk * 32;
+        wgmma<Wgmma64x128<0>, T>(s, desc_add(q_desc, step), desc_add(k_desc, step), blk + kk > 0);
+      }
     wgmma_commit();
   };
   auto issue_pv = [&](int g) {  // O += P V for the tile in slot g (asynchronous)
+    const uint64_t v_desc = n_major(v_buf(g), kBlock);
     wgmma_fence();
     fence_regs<DV / 2>(o);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], n_major(v_buf(g) + kk * 16 * 128, kBlock));
+    for (int kk = 0; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], desc_add(v_desc, kk * 16 * 128));
     wgmma_commit();
   };
   auto round_p = [&]() {  // P rounded to T (the precision contract), packed as P V's A fragments
