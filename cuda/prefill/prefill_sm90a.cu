@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) mbar_arrive(slot_bar<kStages>(bars, g));
   };
   const uint64_t q_desc = k_major(smem + L::q + kRows * c * 128);  // this consumer's Q rows
-  auto issue_s = [&](int g) {  // S = Q K^T for the tile in slot g (asynchronous)
+  auto issue_s = [&](int g) {                                      // S = Q K^T for the tile in slot g (asynchronous)
     const uint64_t k_desc = k_major(k_buf(g));
     wgmma_fence();
 #pragma unroll
