@@ -338,8 +338,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto release = [&](uint32_t bars, int g) {
     if (tid == 0) mbar_arrive(slot_bar<kStages>(bars, g));
   };
-  const uint64_t q_desc = k_major(smem + L::q + kRows * c * 128);  // this consumer's Q rows
-  auto issue_s = [&](int g) {                                      // S = Q K^T for the tile in slot g (asynchronous)
+  // The wgmma descriptor of this consumer's Q rows (those of a K/V slot are made per tile).
+  const uint64_t q_desc = k_major(smem + L::q + kRows * c * 128);
+  auto issue_s = [&](int g) {  // S = Q K^T for the tile in slot g (asynchronous)
     const uint64_t k_desc = k_major(k_buf(g));
     wgmma_fence();
 #pragma unroll
