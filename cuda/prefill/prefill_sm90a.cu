@@ -4,15 +4,17 @@
 //
 // Persistent: one CTA an SM takes work items (a q tile of 128 rows of one request and head, from
 // the schedule's work list, through a counter) until none is left. Three warpgroups; keys and
-// values come in tiles of 128 rows through a ring of two K and two V buffers. Shared memory holds
-// Q and the ring as 64-column blocks of 128 rows in the TMA's 128-byte swizzle (attention/wgmma.cuh).
-//   producer    warp 0, one thread: fetches the items (ItemRing), loads each consumer's 64 Q rows
-//               once it is done with its last ones, then each tile's K and V boxes on the
-//               buffer's "full" mbarriers once its "empty" ones say both consumers are done with
-//               it. A tile that ends inside the request's keys (its last) is copied in 8-row
-//               boxes that stay inside them; warp 1 copies the last 1 to 7 rows itself and zeroes
-//               the V rows past them, so no row outside [kv_indptr[b], kv_indptr[b+1]) is read
-//               and stale rows never meet P.
+// values come in tiles of 128 rows through a ring of K and V buffers (two each at 192 x 128, three
+// at 128 x 128 and 64 x 64). Shared memory holds Q and the ring as 64-column blocks of 128 rows in
+// the TMA's 128-byte swizzle (attention/wgmma.cuh).
+//   producer    warp 0, one thread: fetches the items and passes them on whole (ItemRing); per
+//               item the K and V boxes of each tile on the buffer's "full" mbarriers once its
+//               "empty" ones say both consumers are done with it, and after the first tile's K
+//               each consumer's 64 Q rows once it is done with its last ones. A tile that ends
+//               inside the request's keys (its last) is copied in 8-row boxes that stay inside
+//               them; warp 1 copies the last 1 to 7 rows itself and zeroes the V rows past them,
+//               so no row outside [kv_indptr[b], kv_indptr[b+1]) is read and stale rows never
+//               meet P.
 //   consumer c  (c = 0, 1; 128 threads each) owns query rows [64c, 64c + 64) of the item:
 //               S = Q K^T     wgmma m64n128k16, both operands in shared memory, fp32
 //               softmax       online, in registers (attention/softmax.cuh's lazy max; the mask
