@@ -125,9 +125,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* ssum = smax + 2 * kHeads;                             // [2][kHeads]
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
-  const int wg = threadIdx.x / 128;
-  int len = p.seq_lens[b];
-  len = min(max(len, 0), p.max_pages * p.page_size);
+  // Warp-uniform, and so said to the compiler (warp_uniform): the tile loop's buffer addresses and
+  // wgmma descriptors then stay in uniform registers.
+  const int wg = warp_uniform(threadIdx.x / 128);
+  const int len = warp_uniform(min(max(p.seq_lens[b], 0), p.max_pages * p.page_size));
   const int n_tiles = (len + kTile - 1) / kTile;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = min(n_tiles, split * per_split), t1 = min(n_tiles, t0 + per_split);
@@ -159,14 +160,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // S = Q K^T over this consumer's 32 tokens of the tile in `buf` (asynchronous: wgmma_wait).
   float s[16];
+  const uint64_t q_desc = k_major(smem + Smem::q), p_desc = k_major(smem + Smem::p);
   auto issue_s = [&](uint32_t buf) {
+    const uint64_t k_desc = k_major(buf + c * 32 * 128);
     wgmma_fence();
 #pragma unroll
     for (int blk = 0; blk < kBlocks; ++blk)
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma<Wgmma64x32<0>, T>(s, k_major(smem + Smem::q + blk * kBlockBytes + kk * 32),
-                                k_major(buf + blk * kBlockBytes + c * 32 * 128 + kk * 32), blk + kk > 0);
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t step = blk * kBlockBytes + kk * 32;
+        wgmma<Wgmma64x32<0>, T>(s, desc_add(q_desc, step), desc_add(k_desc, step), blk + kk > 0);
+      }
     wgmma_commit();
   };
 #pragma unroll
@@ -243,12 +247,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_sync(2, kConsumerThreads);
 
     // O += P V over this consumer's 256 latent columns (4 blocks, N-major B).
+    const uint64_t v_desc = n_major(buf + 4 * c * kBlockBytes, kBlockBytes);
     wgmma_fence();
     fence_regs<128>(o);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma<Wgmma64x256<1>, T>(o, k_major(smem + Smem::p + kk * 32),
-                               n_major(buf + 4 * c * kBlockBytes + kk * 16 * 128, kBlockBytes), 1);
+      wgmma<Wgmma64x256<1>, T>(o, desc_add(p_desc, kk * 32), desc_add(v_desc, kk * 16 * 128), 1);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<128>(o);
