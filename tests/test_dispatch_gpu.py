@@ -297,3 +297,18 @@ def test_for_device_torch_fallback_and_override(nvml_hook, monkeypatch):
     nvml_hook(F.make([F.H200]))
     s = dispatch.select_gpu_for_device("mla_decode", 0, load_module=False)
     assert asked[-1] is False and s.target == "sm_80"
+
+
+def test_forced_ptx_jit_skips_sass_only_families(monkeypatch):
+    """CUDA_FORCE_PTX_JIT=1 has the driver ignore SASS: the sm90a family (no PTX) would not load,
+    so the choice on 9.0 is the portable family's compute_90 PTX, and forcing sm90a is refused."""
+    monkeypatch.setenv("CUDA_FORCE_PTX_JIT", "1")
+    s = sel("9.0")
+    assert (s.variant, s.target) == ("portable", "compute_90")
+    assert s.reason == "fallback: PTX JIT (compute_90) on 9.0 (CUDA_FORCE_PTX_JIT=1: the driver ignores SASS)"
+    with pytest.raises(ValueError, match="CUDA_FORCE_PTX_JIT=1: the driver ignores SASS and no PTX"):
+        sel("9.0", variant="sm90a")
+    with pytest.raises(dispatch.NoGpuVariant, match="CUDA_FORCE_PTX_JIT=1"):
+        sel("9.0", k=kernels("sm90a"))
+    monkeypatch.setenv("CUDA_FORCE_PTX_JIT", "0")
+    assert sel("9.0").variant == "sm90a"

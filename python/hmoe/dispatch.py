@@ -137,18 +137,26 @@ def _sm(target: str) -> tuple[int, int, bool]:
     return int(digits[:-1]), int(digits[-1]), a
 
 
+def _force_ptx_jit() -> bool:
+    """CUDA_FORCE_PTX_JIT=1: the driver ignores every SASS image and JIT-compiles the PTX; a
+    kernel without PTX then fails to load ("no kernel image")."""
+    return os.environ.get("CUDA_FORCE_PTX_JIT", "") == "1"
+
+
 def _plan_family(entry: dict, cc, driver_cuda, build_cuda):
     """(ok, target, reason) for running one built family on compute capability `cc`. SASS
     runs on the same major with an equal or higher minor (not for 'a' targets, which run
-    on their exact cc only); PTX is JIT-compiled by the driver for any newer device, which
-    needs a driver at least as new as the toolkit that wrote the PTX."""
+    on their exact cc only), unless CUDA_FORCE_PTX_JIT=1 has the driver ignore it; PTX is
+    JIT-compiled by the driver for any newer device, which needs a driver at least as new as
+    the toolkit that wrote the PTX."""
     ccs = f"{cc[0]}.{cc[1]}"
     sass = [(_sm(t), t) for t in entry.get("sass", [])]
-    for (ma, mi, _a), t in sass:
+    forced_jit = _force_ptx_jit()
+    for (ma, mi, _a), t in [] if forced_jit else sass:
         if (ma, mi) == tuple(cc):
             return True, f"sm_{t}", f"native: sm_{t} SASS"
     same = [((ma, mi), t) for (ma, mi, a), t in sass if not a and ma == cc[0] and mi < cc[1]]
-    if same:
+    if same and not forced_jit:
         t = max(same)[1]
         return True, f"sm_{t}", f"fallback: sm_{t} SASS on {ccs} (same major)"
     ptx = [((ma, mi), t) for (ma, mi, a), t in ((_sm(t), t) for t in entry.get("ptx", []))
@@ -160,9 +168,13 @@ def _plan_family(entry: dict, cc, driver_cuda, build_cuda):
                 f"driver too old: PTX JIT (compute_{t}) on {ccs} needs a driver for CUDA "
                 f"{build_cuda[0]}.{build_cuda[1]}, this one supports {driver_cuda[0]}."
                 f"{driver_cuda[1]}: {_driver_fix(build_cuda, driver_cuda)}")
-        return True, f"compute_{t}", f"fallback: PTX JIT (compute_{t}) on {ccs}"
+        return True, f"compute_{t}", f"fallback: PTX JIT (compute_{t}) on {ccs}" + (
+            " (CUDA_FORCE_PTX_JIT=1: the driver ignores SASS)" if forced_jit else "")
     built = ", ".join([f"sm_{t} SASS" for _, t in sass] +
                       [f"compute_{t} PTX" for t in entry.get("ptx", [])]) or "nothing"
+    if forced_jit and sass:
+        return False, "", f"CUDA_FORCE_PTX_JIT=1: the driver ignores SASS and no PTX of this family (built: {built}) " \
+                          f"runs on {ccs}"
     return False, "", f"unsupported: built for {built}; none runs on {ccs}"
 
 
