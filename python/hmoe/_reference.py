@@ -43,8 +43,13 @@ PREFILL_LSE_ATOL = 1e-3
 
 #   moe_experts: the output rounded once to x's dtype plus fp32 accumulation over H and I (fp32: 2e-5,
 #   fp16: 3 u, bf16: 2 u); bf16 weights add the bf16 rounding of the activations entering each matmul
-#   (the contract), which costs little against the reference that rounds there too (contract=True)
-#   and about 3 u(bf16) (1.2e-2) against one that does not.
+#   (the contract). Against the reference that rounds there too (contract=True) that costs nothing
+#   but the rare activation that lands on the other side of a bf16 rounding boundary (the kernel's h
+#   is fp32, the reference's fp64): one such flip moves one activation by a bf16 step, up to 5.6e-4
+#   of the output in the tests' small problems (48,000 random fp32-x problems on avx2: 45 above
+#   2.2e-4, none above 6e-4), so 8e-4; a kernel that skips the rounding is off by 1.5e-3 or more
+#   there (fp32 x). Against the reference that does not round (contract=False): about 3 u(bf16),
+#   1.2e-2.
 _EXPERTS_OUT = {"float32": 2e-5, "float16": 1.5e-3, "bfloat16": 8e-3}
 #   moe_experts_vs_torch_loop: hmoe's experts against the torch per-expert loop (the benchmark's
 #   check): the loop rounds every intermediate to the weights' dtype, so the two agree to a few units
@@ -53,7 +58,7 @@ _EXPERTS_TORCH_LOOP = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 #   quantised weights (w_dtype "int8", "int4", "fp8"): against the reference that rounds where the
 #   contract does (contract=True), the fp32 accumulation over groups and the rare activation that
 #   lands on the other side of a rounding boundary by an ulp (h is fp32 in the kernel, fp64 rounded
-#   to fp32 in the reference): fp8 2e-4 as bf16; int8/int4 2e-3, for a flip there moves one
+#   to fp32 in the reference): fp8 as bf16 (8e-4); int8/int4 2e-3, for a flip there moves one
 #   activation by a whole int8 step of its group (1/127 of the group's largest value), about
 #   3e-4 of the output for one flip in 10^5 activations, which random tests see.
 #   Against fp64 on the dequantised weights (contract=False): fp8 as bf16 (3 u(bf16)); int8 and int4
@@ -77,7 +82,7 @@ def tolerance(op: str, dtype, *, w_dtype=None, contract: bool = True) -> float:
         if w in ("int8", "int4") and contract:
             tol += 2e-3
         elif w in ("bfloat16", "fp8"):
-            tol += 2e-4 if contract else 1.2e-2
+            tol += 8e-4 if contract else 1.2e-2
         elif w in ("int8", "int4"):
             tol += 8 * _U_I8
         return tol
