@@ -208,7 +208,10 @@ __global__ void __launch_bounds__(32 * kWarps)
 
   for (int t = t0; t < t1; ++t) {
     const int i = t - t0;
-    if constexpr (!kTma) prefetch(t, i);
+    if constexpr (!kTma) {
+      __syncwarp();  // the lanes' ldmatrix reads of the buffer tile t + 1 refills (P V of tile t - 1) are done
+      prefetch(t, i);
+    }
     const uint32_t buf = kv_s + (i % kStages) * kTileBytes;
     if constexpr (kTma) {
       TmaLoader::wait(bar0 + 8 * (i % kStages), (i / kStages) & 1);
