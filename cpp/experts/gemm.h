@@ -137,18 +137,29 @@ inline void mk_packed_q(const ActRows<Act::kI8>::Panel& A, const uint8_t* const*
         }
       }
     } else {
-      for (int64_t r = 0; r < group / 8; ++r) {  // a row: two rows of 4 k as nibbles
-        isa::VB lo[NR], hi[NR];
-        for (int j = 0; j < NR; ++j) {
-          prefetch(b[j] + r * 64);
-          const isa::VB w = isa::load_vb(b[j] + r * 64);
-          lo[j] = isa::nib_lo(w);
-          hi[j] = isa::nib_hi(w);
+      // A row: two rows of 4 k as nibbles; their products in short partial sums (isa::VS), widened
+      // every kU4Steps / 2 rows (group / 8 is a multiple of 4: groups are multiples of 32).
+      constexpr int64_t kRows = isa::kU4Steps / 2;
+      static_assert(4 % kRows == 0 || kRows % 4 == 0, "a flush every kRows rows divides a group's rows");
+      for (int64_t r0 = 0; r0 < group / 8; r0 += kRows) {
+        isa::VS part[MR][NR];
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) part[i][j] = isa::vs_zero();
+        for (int64_t r = r0; r < r0 + kRows && r < group / 8; ++r) {
+          isa::VB lo[NR], hi[NR];
+          for (int j = 0; j < NR; ++j) {
+            prefetch(b[j] + r * 64);
+            const isa::VB w = isa::load_vb(b[j] + r * 64);
+            lo[j] = isa::nib_lo(w);
+            hi[j] = isa::nib_hi(w);
+          }
+          for (int i = 0; i < MR; ++i) {
+            const auto al = isa::bcast_a4(a0 + i * A.ld + 8 * r), ah = isa::bcast_a4(a0 + i * A.ld + 8 * r + 4);
+            for (int j = 0; j < NR; ++j) part[i][j] = isa::dot4_u4s(isa::dot4_u4s(part[i][j], lo[j], al), hi[j], ah);
+          }
         }
-        for (int i = 0; i < MR; ++i) {
-          const auto al = isa::bcast_a4(a0 + i * A.ld + 8 * r), ah = isa::bcast_a4(a0 + i * A.ld + 8 * r + 4);
-          for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot4_u4(isa::dot4_u4(acc[i][j], lo[j], al), hi[j], ah);
-        }
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) acc[i][j] = isa::vi_add_vs(acc[i][j], part[i][j]);
       }
     }
     for (int j = 0; j < NR; ++j) {

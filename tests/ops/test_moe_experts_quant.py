@@ -88,6 +88,19 @@ def test_every_output_written_and_nan_stays_in_its_token(isa):
     assert torch.isfinite(y[keep]).all() and torch.equal(y[keep], out[keep])
 
 
+@pytest.mark.parametrize("group", [128, 32])
+def test_int4_extreme_products_stay_exact(group):
+    # Every int4 weight at +7 (stored 15) and every activation at +-127: the largest partial sums
+    # the kernels keep in narrow lanes (isa::VS: int16 on avx2/avx512) before widening them.
+    H, I, E = 256, 128, 2
+    q13 = quant.quantize(torch.ones(E, 2 * I, H), "int4", group_size=group)
+    q2 = quant.quantize(torch.ones(E, H, I), "int4", group_size=group)
+    assert int(quant._int4_values(q13.data).max()) == 7
+    x = torch.stack([torch.full((H,), 0.5), torch.full((H,), -0.5)])
+    ids = torch.tensor([[0], [1]], dtype=torch.int32)
+    _check_isas(ISAS, x, ids, torch.ones(2, 1), q13, q2)
+
+
 def test_zero_weights_and_zero_activations():
     x, ids, w, q13, q2 = _problem(4, 64, 64, 2, 1, "int8", 32)
     q13 = quant.quantize(torch.zeros(2, 128, 64), "int8", group_size=32)

@@ -146,5 +146,18 @@ inline VI dot4_u4(const VI& acc, const VB& w, const A4& x) {
   return {_mm256_add_epi32(acc.a, quad_sums(_mm256_maddubs_epi16(w.a, x.s))),
           _mm256_add_epi32(acc.b, quad_sums(_mm256_maddubs_epi16(w.b, x.s)))};
 }
+// Nibble products summed as int16 pairs (a vpmaddubsw lane is at most 2 * 15 * 127 = 3810, so 8
+// of them fit), widened to int32 once per kU4Steps: half the multiplies of dot4_u4.
+constexpr int kU4Steps = 8;
+struct VS {
+  __m256i a, b;
+};
+inline VS vs_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline VS dot4_u4s(const VS& s, const VB& w, const A4& x) {
+  return {_mm256_add_epi16(s.a, _mm256_maddubs_epi16(w.a, x.s)), _mm256_add_epi16(s.b, _mm256_maddubs_epi16(w.b, x.s))};
+}
+inline VI vi_add_vs(const VI& acc, const VS& s) {
+  return {_mm256_add_epi32(acc.a, quad_sums(s.a)), _mm256_add_epi32(acc.b, quad_sums(s.b))};
+}
 
 }  // namespace hmoe::isa

@@ -55,5 +55,12 @@ inline VI dot4(VI acc, VB w, const A4& x) {
   return _mm512_add_epi32(_mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(x.abs, qs))), x.bias);
 }
 inline VI dot4_u4(VI acc, VB w, const A4& x) { return _mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(w, x.s))); }
+// Nibble products summed as int16 pairs (a vpmaddubsw lane is at most 2 * 15 * 127 = 3810, so 8
+// of them fit), widened to int32 once per kU4Steps: half the multiplies of dot4_u4.
+constexpr int kU4Steps = 8;
+using VS = __m512i;
+inline VS vs_zero() { return _mm512_setzero_si512(); }
+inline VS dot4_u4s(VS s, VB w, const A4& x) { return _mm512_add_epi16(s, _mm512_maddubs_epi16(w, x.s)); }
+inline VI vi_add_vs(VI acc, VS s) { return _mm512_add_epi32(acc, quad_sums(s)); }
 
 }  // namespace hmoe::isa

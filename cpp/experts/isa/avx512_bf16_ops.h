@@ -33,5 +33,11 @@ inline A4 bcast_a4(const int8_t* a) {
 }
 inline VI dot4(VI acc, VB w, A4 a) { return _mm512_dpbusd_epi32(acc, w, a); }
 inline VI dot4_u4(VI acc, VB w, A4 a) { return _mm512_dpbusd_epi32(acc, w, a); }
+// vpdpbusd accumulates in int32 already: the partial sums are int32 and cost one add a flush.
+constexpr int kU4Steps = 8;
+using VS = VI;
+inline VS vs_zero() { return _mm512_setzero_si512(); }
+inline VS dot4_u4s(VS s, VB w, A4 a) { return _mm512_dpbusd_epi32(s, w, a); }
+inline VI vi_add_vs(VI acc, VS s) { return _mm512_add_epi32(acc, s); }
 
 }  // namespace hmoe::isa

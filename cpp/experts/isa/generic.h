@@ -155,5 +155,15 @@ inline VI dot4(const VI& acc, const VB& w, const A4& a) {
   return r;
 }
 inline VI dot4_u4(const VI& acc, const VB& w, const A4& a) { return dot4(acc, w, a); }
+// Partial sums in int32 (no narrower product here).
+constexpr int kU4Steps = 8;
+using VS = VI;
+inline VS vs_zero() { return vi_zero(); }
+inline VS dot4_u4s(const VS& s, const VB& w, const A4& a) { return dot4(s, w, a); }
+inline VI vi_add_vs(const VI& acc, const VS& s) {
+  VI r;
+  for (int i = 0; i < 16; ++i) r.v[i] = acc.v[i] + s.v[i];
+  return r;
+}
 
 }  // namespace hmoe::isa
