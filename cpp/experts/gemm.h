@@ -111,11 +111,14 @@ inline void zero_tile(int MR, int NR, float* C, int64_t ldc) {
 }
 
 // int8 / int4 weights (kOffset-biased unsigned) times int8 activations quantised per (row, group):
-// C[i][c] += float(dot - kOffset * sum_a) * (scale_a[i][g] * scale_w[c][g]).
+// C[i][c] += float(dot - kOffset * sum_a) * (scale_a[i][g] * scale_w[c][g]) (int8 on an ISA whose
+// dot4 is centred: the dot already is that difference).
 template <int MR, int NR, int Bits, int Offset>
 inline void mk_packed_q(const ActRows<Act::kI8>::Panel& A, const uint8_t* const* B, int64_t groups, int64_t group,
                         float* C, int64_t ldc) {
   const int64_t chunk = kBlockN * group * Bits / 8 + kBlockN * 4;
+  static_assert(Bits == 4 || Offset == 128, "int8 weights are stored as q + 128");
+  constexpr int32_t kCorrection = Bits == 8 && isa::kDot4Centered ? 0 : Offset;
   zero_tile(MR, NR, C, ldc);
   for (int64_t g = 0; g < groups; ++g) {
     isa::VI acc[MR][NR];
@@ -167,7 +170,7 @@ inline void mk_packed_q(const ActRows<Act::kI8>::Panel& A, const uint8_t* const*
       for (int i = 0; i < MR; ++i) {
         const int64_t ig = i * A.ldg + g;
         const V s = isa::vmul(isa::vbcast(A.scale[ig]), sw);
-        const isa::VI d = isa::vi_sub(acc[i][j], isa::vi_bcast(Offset * A.sum[ig]));
+        const isa::VI d = kCorrection ? isa::vi_sub(acc[i][j], isa::vi_bcast(kCorrection * A.sum[ig])) : acc[i][j];
         float* c = C + i * ldc + j * 16;
         isa::vstore(c, isa::vfma(isa::vi_to_v(d), s, isa::vload(c)));
       }

@@ -88,14 +88,16 @@ def test_every_output_written_and_nan_stays_in_its_token(isa):
     assert torch.isfinite(y[keep]).all() and torch.equal(y[keep], out[keep])
 
 
-@pytest.mark.parametrize("group", [128, 32])
-def test_int4_extreme_products_stay_exact(group):
-    # Every int4 weight at +7 (stored 15) and every activation at +-127: the largest partial sums
-    # the kernels keep in narrow lanes (isa::VS: int16 on avx2/avx512) before widening them.
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int4", 32), ("int8", None), ("int8", 32)], ids=str)
+def test_extreme_products_stay_exact(fmt, group):
+    # Every weight at the format's largest magnitude (w13 positive, w2 negative) and every
+    # activation at +-127: the largest partial sums the kernels keep in narrow lanes (int4:
+    # isa::VS, int16 on avx2/avx512; int8: vpmaddubsw's int16 pairs of 127 * 127 products there).
     H, I, E = 256, 128, 2
-    q13 = quant.quantize(torch.ones(E, 2 * I, H), "int4", group_size=group)
-    q2 = quant.quantize(torch.ones(E, H, I), "int4", group_size=group)
-    assert int(quant._int4_values(q13.data).max()) == 7
+    q13 = quant.quantize(torch.ones(E, 2 * I, H), fmt, group_size=group)
+    q2 = quant.quantize(-torch.ones(E, H, I), fmt, group_size=group)
+    top = 7 if fmt == "int4" else 127
+    assert int((quant._int4_values(q13.data) if fmt == "int4" else q13.data).max()) == top
     x = torch.stack([torch.full((H,), 0.5), torch.full((H,), -0.5)])
     ids = torch.tensor([[0], [1]], dtype=torch.int32)
     _check_isas(ISAS, x, ids, torch.ones(2, 1), q13, q2)

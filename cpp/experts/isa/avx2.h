@@ -94,7 +94,9 @@ inline BPair load_fp8_pair(const uint8_t* p) {
 // (unsigned x signed bytes -> saturating int16 pairs) and vpmaddwd. Unsigned weights up to 255 times
 // int8 activations could saturate a pair; dot4 takes the signed weight w - 128 times |a| with a's
 // sign moved onto it (exact: both at most 127 in magnitude, quantised int8 weights never being
-// -128) and adds 128 * sum(a) back. Nibbles (< 16) multiply directly.
+// -128) and leaves the sum centred (kDot4Centered: the caller's offset correction is 0). Nibbles
+// (< 16) multiply directly.
+constexpr bool kDot4Centered = true;
 struct VI {
   __m256i a, b;
 };
@@ -102,7 +104,7 @@ struct VB {
   __m256i a, b;
 };
 struct A4 {
-  __m256i s, abs, bias;  // the 4 bytes in every lane; their magnitudes; 128 * their sum
+  __m256i s, abs;  // the 4 bytes in every lane; their magnitudes
 };
 inline VI vi_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline VI vi_bcast(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
@@ -132,15 +134,15 @@ inline A4 bcast_a4(const int8_t* a) {
   int32_t word;
   __builtin_memcpy(&word, a, 4);
   const __m256i s = _mm256_set1_epi32(word);
-  return {s, _mm256_abs_epi8(s), _mm256_set1_epi32(128 * (a[0] + a[1] + a[2] + a[3]))};
+  return {s, _mm256_abs_epi8(s)};
 }
 inline __m256i quad_sums(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline VI dot4(const VI& acc, const VB& w, const A4& x) {
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   const __m256i qa = _mm256_sign_epi8(_mm256_xor_si256(w.a, flip), x.s);
   const __m256i qb = _mm256_sign_epi8(_mm256_xor_si256(w.b, flip), x.s);
-  return {_mm256_add_epi32(_mm256_add_epi32(acc.a, quad_sums(_mm256_maddubs_epi16(x.abs, qa))), x.bias),
-          _mm256_add_epi32(_mm256_add_epi32(acc.b, quad_sums(_mm256_maddubs_epi16(x.abs, qb))), x.bias)};
+  return {_mm256_add_epi32(acc.a, quad_sums(_mm256_maddubs_epi16(x.abs, qa))),
+          _mm256_add_epi32(acc.b, quad_sums(_mm256_maddubs_epi16(x.abs, qb)))};
 }
 inline VI dot4_u4(const VI& acc, const VB& w, const A4& x) {
   return {_mm256_add_epi32(acc.a, quad_sums(_mm256_maddubs_epi16(w.a, x.s))),

@@ -36,23 +36,24 @@ inline BPair load_fp8_pair(const uint8_t* p) {
 // Integer dot products without VNNI: vpmaddubsw (unsigned x signed bytes -> saturating int16 pairs)
 // and vpmaddwd. Unsigned weights up to 255 times int8 activations could saturate a pair; dot4 takes
 // the signed weight w - 128 times |a| with a's sign moved onto it (exact: both at most 127 in
-// magnitude, quantised int8 weights never being -128) and adds 128 * sum(a) back. Nibbles (< 16)
-// multiply directly.
+// magnitude, quantised int8 weights never being -128) and leaves the sum centred (kDot4Centered:
+// the caller's offset correction is 0). Nibbles (< 16) multiply directly.
+constexpr bool kDot4Centered = true;
 struct A4 {
-  __m512i s, abs, bias;  // the 4 bytes in every lane; their magnitudes; 128 * their sum
-  __mmask64 neg;         // bytes of s below zero
+  __m512i s, abs;  // the 4 bytes in every lane; their magnitudes
+  __mmask64 neg;   // bytes of s below zero
 };
 inline A4 bcast_a4(const int8_t* a) {
   int32_t word;
   __builtin_memcpy(&word, a, 4);
   const __m512i s = _mm512_set1_epi32(word);
-  return {s, _mm512_abs_epi8(s), _mm512_set1_epi32(128 * (a[0] + a[1] + a[2] + a[3])), _mm512_movepi8_mask(s)};
+  return {s, _mm512_abs_epi8(s), _mm512_movepi8_mask(s)};
 }
 inline VI quad_sums(__m512i pairs) { return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)); }
 inline VI dot4(VI acc, VB w, const A4& x) {
   const __m512i q = _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80)));
   const __m512i qs = _mm512_mask_sub_epi8(q, x.neg, _mm512_setzero_si512(), q);
-  return _mm512_add_epi32(_mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(x.abs, qs))), x.bias);
+  return _mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(x.abs, qs)));
 }
 inline VI dot4_u4(VI acc, VB w, const A4& x) { return _mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(w, x.s))); }
 // Nibble products summed as int16 pairs (a vpmaddubsw lane is at most 2 * 15 * 127 = 3810, so 8

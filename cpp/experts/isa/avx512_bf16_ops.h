@@ -25,6 +25,7 @@ inline BPair load_fp8_pair(const uint8_t* p) {
 }
 
 // vpdpbusd: unsigned weight bytes times signed activation bytes, four per lane, into int32.
+constexpr bool kDot4Centered = false;
 using A4 = __m512i;
 inline A4 bcast_a4(const int8_t* a) {
   int32_t word;

@@ -145,6 +145,7 @@ inline VB nib_hi(const VB& w) {
   for (int i = 0; i < 64; ++i) r.v[i] = uint8_t(w.v[i] >> 4);
   return r;
 }
+constexpr bool kDot4Centered = false;
 inline A4 bcast_a4(const int8_t* a) { return {{a[0], a[1], a[2], a[3]}}; }
 inline VI dot4(const VI& acc, const VB& w, const A4& a) {
   VI r;
