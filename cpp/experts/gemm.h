@@ -141,9 +141,8 @@ inline void mk_packed_q(const ActRows<Act::kI8>::Panel& A, const uint8_t* const*
       }
     } else {
       // A row: two rows of 4 k as nibbles; their products in short partial sums (isa::VS), widened
-      // every kU4Steps / 2 rows (group / 8 is a multiple of 4: groups are multiples of 32).
+      // every kU4Steps / 2 rows and at the group's end.
       constexpr int64_t kRows = isa::kU4Steps / 2;
-      static_assert(4 % kRows == 0 || kRows % 4 == 0, "a flush every kRows rows divides a group's rows");
       for (int64_t r0 = 0; r0 < group / 8; r0 += kRows) {
         isa::VS part[MR][NR];
         for (int i = 0; i < MR; ++i)

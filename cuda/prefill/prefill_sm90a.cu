@@ -57,6 +57,29 @@ constexpr int kBlock = 128 * 128;  // a 64-column block of 128 rows (Q or a K/V 
 constexpr int kThreads = 384;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kLast = 8;           // rows of the boxes of a tile's last part
 
+// One work item: q tile `q_first / kBM` of request r, query head h. The TMA thread reads item i
+// of the `total` from the work list and passes it on to every role of the CTA (ItemRing).
+struct Work {
+  Request r;
+  int h, kvh, q_first, q_rows, n_tiles;
+  int state;  // 1: an item; 0: an unused slot of the work list; -1: no more items
+  __device__ __forceinline__ static Work fetch(const PrefillParams& p, int i, int total) {
+    Work w{};
+    w.state = -1;
+    if (i >= total) return w;
+    const int slot = i % p.max_items;
+    w.h = i / p.max_items;
+    const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
+    w.state = item.x >= 0 ? 1 : 0;
+    w.r = prefill::request(p, w.state ? item.x : 0);
+    w.kvh = w.h / (p.heads / p.kv_heads);
+    w.q_first = item.y * kBM;
+    w.q_rows = min(kBM, w.r.lq - w.q_first);
+    w.n_tiles = w.state ? (prefill::visible_keys(w.r, p.causal, w.q_first + w.q_rows - 1) + kBN - 1) / kBN : 0;
+    return w;
+  }
+};
+
 // Shared memory, offsets from a 1024-byte aligned base (the launcher adds 1024 bytes of slack).
 // K and V buffers: as many as fit in 227 KB (192 x 128: two each; 128 x 128 and 64 x 64: three).
 template <int DQK, int DV>
@@ -68,7 +91,7 @@ struct Layout {
   static constexpr int v = k + kStages * kQBlocks * kBlock;     // [stage][block]
   static constexpr int bars = v + kStages * kVBlocks * kBlock;  // see Bars
   static constexpr int items = bars + 8 * (4 * kStages + 8);    // the item ring: 2 Work
-  static constexpr int end = items + 2 * 40;
+  static constexpr int end = items + 2 * int(sizeof(Work));
   static constexpr int bytes = end + 1024;
   static_assert(DQK % 64 == 0 && DV % 64 == 0 && DV <= DQK && (DV == 64 || DV == 128),
                 "whole 64-column blocks; O (<= 128 columns) is staged in Q's rows");
@@ -110,30 +133,6 @@ struct TileRows {
   __device__ __forceinline__ TileRows(const Request& r, int t)
       : row0(r.kv0 + t * kBN), rows(min(kBN, r.lk - t * kBN)), whole(rows == kBN ? kBN : rows / kLast * kLast) {}
 };
-
-// One work item: q tile `q_first / kBM` of request r, query head h. The TMA thread reads item i
-// of the `total` from the work list and passes it on to every role of the CTA (ItemRing).
-struct Work {
-  Request r;
-  int h, kvh, q_first, q_rows, n_tiles;
-  int state;  // 1: an item; 0: an unused slot of the work list; -1: no more items
-  __device__ __forceinline__ static Work fetch(const PrefillParams& p, int i, int total) {
-    Work w{};
-    w.state = -1;
-    if (i >= total) return w;
-    const int slot = i % p.max_items;
-    w.h = i / p.max_items;
-    const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
-    w.state = item.x >= 0 ? 1 : 0;
-    w.r = prefill::request(p, w.state ? item.x : 0);
-    w.kvh = w.h / (p.heads / p.kv_heads);
-    w.q_first = item.y * kBM;
-    w.q_rows = min(kBM, w.r.lq - w.q_first);
-    w.n_tiles = w.state ? (prefill::visible_keys(w.r, p.causal, w.q_first + w.q_rows - 1) + kBN - 1) / kBN : 0;
-    return w;
-  }
-};
-static_assert(sizeof(Work) == 40, "Layout::items holds two");
 
 // The barriers (8 bytes each): per ring stage, K and V full (the TMA thread's arrival with the
 // bytes and warp 1's) and empty (one arrival per consumer); per consumer, its Q rows full (the

@@ -152,13 +152,14 @@ def _plan_family(entry: dict, cc, driver_cuda, build_cuda):
     ccs = f"{cc[0]}.{cc[1]}"
     sass = [(_sm(t), t) for t in entry.get("sass", [])]
     forced_jit = _force_ptx_jit()
-    for (ma, mi, _a), t in [] if forced_jit else sass:
-        if (ma, mi) == tuple(cc):
-            return True, f"sm_{t}", f"native: sm_{t} SASS"
-    same = [((ma, mi), t) for (ma, mi, a), t in sass if not a and ma == cc[0] and mi < cc[1]]
-    if same and not forced_jit:
-        t = max(same)[1]
-        return True, f"sm_{t}", f"fallback: sm_{t} SASS on {ccs} (same major)"
+    if not forced_jit:
+        for (ma, mi, _a), t in sass:
+            if (ma, mi) == tuple(cc):
+                return True, f"sm_{t}", f"native: sm_{t} SASS"
+        same = [((ma, mi), t) for (ma, mi, a), t in sass if not a and ma == cc[0] and mi < cc[1]]
+        if same:
+            t = max(same)[1]
+            return True, f"sm_{t}", f"fallback: sm_{t} SASS on {ccs} (same major)"
     ptx = [((ma, mi), t) for (ma, mi, a), t in ((_sm(t), t) for t in entry.get("ptx", []))
            if not a and (ma, mi) <= tuple(cc)]
     if ptx:
