@@ -4,17 +4,25 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace hmoe {
 namespace {
 
 // Back-to-back calls (decode steps) are typical: a thread that finished its part spins this
-// long for the next job or for the others to finish before sleeping on a condition variable,
-// which would add a futex wake-up (tens of microseconds) to every phase of every call.
+// long for the next job (the caller: for the workers still inside) before sleeping, which would
+// add a futex wake-up (tens of microseconds; hundreds on a virtual machine whose idle vCPUs halt)
+// to every phase of every call.
 constexpr auto kSpin = std::chrono::microseconds(50);
 
 inline void cpu_relax() {
@@ -25,14 +33,41 @@ inline void cpu_relax() {
 #endif
 }
 
+// Spins until done() or kSpin has passed; says which.
 template <typename Done>
-void spin_until(Done done) {
+bool spin_until(Done done) {
   const auto end = std::chrono::steady_clock::now() + kSpin;
   for (int i = 1; !done(); ++i) {
     cpu_relax();
-    if (i % 64 == 0 && std::chrono::steady_clock::now() > end) return;
+    if (i % 64 == 0 && std::chrono::steady_clock::now() > end) return done();
   }
+  return true;
 }
+
+// Sleeps while *word == value (a spurious return is allowed), and wakes every such sleeper.
+#ifdef __linux__
+void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+}
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+#else
+std::mutex g_futex_mu;
+std::condition_variable g_futex_cv;
+void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
+  std::unique_lock<std::mutex> lk(g_futex_mu);
+  g_futex_cv.wait(lk, [&] { return word->load() != value; });
+}
+void futex_wake_all(std::atomic<uint32_t>*) {
+  std::lock_guard<std::mutex> lk(g_futex_mu);
+  g_futex_cv.notify_all();
+}
+#endif
+
+constexpr uint64_t kClosed = uint64_t(1) << 31;
+constexpr uint64_t kInside = kClosed - 1;
+uint64_t gate_of(uint64_t job) { return (job & 0xffffffffu) << 32; }
 
 // The process's pool. It is never destroyed: at exit its workers sleep on a condition variable
 // and die with the process (joining them from a static destructor would race with interpreter
@@ -61,9 +96,9 @@ void ThreadPool::ensure_workers(int n) {
   workers_.reserve(size_t(n));
   while (int(workers_.size()) < n) {
     int id = int(workers_.size()) + 1;  // worker 0 is the caller
-    // Called under mu_ before the job's generation is published: the new worker takes part
-    // in every generation after this one.
-    uint64_t seen = generation_.load();
+    // Called under mu_ before the job is published: the new worker takes part in every job
+    // after the current one.
+    uint64_t seen = job_.load();
     try {
       workers_.emplace_back([this, id, seen] { worker_loop(id, seen); });
     } catch (const std::system_error& e) {
@@ -91,23 +126,41 @@ void ThreadPool::run_tasks(int worker) {
   }
 }
 
+// Bumps signal_ and wakes the workers sleeping on it. The seq_cst pair (signal_ here, sleepers_
+// in await_job) makes sure that a worker about to sleep either is counted here or sees the bump.
+void ThreadPool::signal() {
+  signal_.fetch_add(1);
+  if (sleepers_.load() > 0) futex_wake_all(&signal_);
+}
+
+// Returns once job_ differs from seen: spinning, then asleep on signal_ (woken by a job, or by
+// wake(), after which it spins again).
+void ThreadPool::await_job(uint64_t seen) {
+  auto changed = [&] { return job_.load(std::memory_order_acquire) != seen; };
+  while (!spin_until(changed)) {
+    const uint32_t s = signal_.load();
+    sleepers_.fetch_add(1);
+    if (!changed()) futex_wait(&signal_, s);
+    sleepers_.fetch_sub(1);
+  }
+}
+
 void ThreadPool::worker_loop(int id, uint64_t seen) {
-  uint64_t woken = wakes_.load();
   for (;;) {
-    spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_work_.wait(lk, [&] { return (generation_ != seen && id <= active_workers_) || wakes_ != woken; });
-      if (generation_ == seen || id > active_workers_) {  // woken ahead of a job: spin for it
-        woken = wakes_;
-        continue;
-      }
-      seen = generation_;
-    }
+    await_job(seen);
+    seen = job_.load(std::memory_order_acquire);
+    if (id > active_workers_.load(std::memory_order_relaxed)) continue;
+    // Enter unless the job is over (closed, or already followed by another).
+    uint64_t g = gate_.load(std::memory_order_acquire);
+    bool entered = false;
+    while (!entered && (g & ~kInside) == gate_of(seen))
+      entered = gate_.compare_exchange_weak(g, g + 1, std::memory_order_acq_rel, std::memory_order_acquire);
+    if (!entered) continue;
     run_tasks(id);
-    {
+    const uint64_t old = gate_.fetch_sub(1, std::memory_order_acq_rel);
+    if ((old & kClosed) && (old & kInside) == 1) {  // the caller waits for this worker
       std::lock_guard<std::mutex> lk(mu_);
-      if (running_.fetch_sub(1) == 1) cv_done_.notify_all();
+      cv_done_.notify_all();
     }
   }
 }
@@ -118,9 +171,8 @@ void ThreadPool::wake(int n_threads) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     ensure_workers(n_threads - 1);
-    ++wakes_;
   }
-  cv_work_.notify_all();
+  signal();
 }
 
 void ThreadPool::parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64_t, int)>& fn) {
@@ -131,24 +183,32 @@ void ThreadPool::parallel_for(int64_t n_tasks, int n_threads, const std::functio
     return;
   }
   std::lock_guard<std::mutex> job(submit_mu_);
+  const uint64_t id = job_.load(std::memory_order_relaxed) + 1;
   {
     std::lock_guard<std::mutex> lk(mu_);
     ensure_workers(n_threads - 1);
-    fn_ = &fn;
-    n_tasks_ = n_tasks;
-    next_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
-    active_workers_ = n_threads - 1;
-    running_ = n_threads - 1;
-    ++generation_;
   }
-  cv_work_.notify_all();
+  // No worker is inside the previous job (its gate is closed and empty), so these are ours to set.
+  fn_ = &fn;
+  n_tasks_ = n_tasks;
+  next_.store(0, std::memory_order_relaxed);
+  active_workers_.store(n_threads - 1, std::memory_order_relaxed);
+  gate_.store(gate_of(id), std::memory_order_release);
+  job_.store(id, std::memory_order_release);
+  signal();
   run_tasks(0);
-  spin_until([&] { return running_.load(std::memory_order_acquire) == 0; });
+  // Out of tasks: close the gate and wait for the workers inside to finish theirs.
+  if (gate_.fetch_or(kClosed, std::memory_order_acq_rel) & kInside) {
+    auto empty = [&] { return (gate_.load(std::memory_order_acquire) & kInside) == 0; };
+    if (!spin_until(empty)) {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_done_.wait(lk, empty);
+    }
+  }
   std::exception_ptr err;
   {
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_done_.wait(lk, [&] { return running_ == 0; });
+    std::lock_guard<std::mutex> lk(mu_);
     fn_ = nullptr;
     err = error_;
   }

@@ -20,13 +20,15 @@ class ThreadPool {
   // fn(task, worker) for task in [0, n_tasks); worker in [0, n_threads) identifies the
   // thread, so callers can index per-thread scratch. Runs on at most n_threads threads
   // (the caller included; clamped to [1, kMaxThreads]) and returns when every task is done.
-  // Tasks are handed out dynamically. The first exception thrown by a task is rethrown here.
+  // Tasks are handed out dynamically; a worker that is still waking up when the others have run
+  // out of tasks stays out of the job. The first exception thrown by a task is rethrown here.
   // A worker thread that cannot be started is a std::runtime_error saying so; the pool stays
   // usable with the workers it has.
   void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64_t task, int worker)>& fn);
 
   // Wakes the workers a parallel_for on n_threads threads will use, so that they are spinning
-  // when it comes (a sleeping worker's futex wake-up costs tens of microseconds): call it before
+  // when it comes (a sleeping worker's wake-up costs tens of microseconds, on a virtual machine
+  // whose idle vCPUs halt hundreds): call it before
   // the serial work that precedes a parallel phase. Threads not used soon go back to sleep.
   void wake(int n_threads);
 
@@ -42,17 +44,25 @@ class ThreadPool {
 
   void ensure_workers(int n);
   void worker_loop(int id, uint64_t seen);
+  void await_job(uint64_t seen);
+  void signal();
   void run_tasks(int worker);
 
   std::mutex submit_mu_;  // one job at a time
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
+  std::mutex mu_;         // workers_ and error_; the caller's sleep when a task outlasts its spin
+  std::condition_variable cv_done_;
   std::vector<std::thread> workers_;
-  // Written under mu_; atomic so that spinning threads can read them without the lock.
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<uint64_t> wakes_{0};  // bumped by wake()
-  int active_workers_ = 0;          // workers (excluding caller) taking part in this job
-  std::atomic<int> running_{0};     // workers still inside the current job
+  // A job is published by bumping job_ (after its fields and gate_ are set). Workers that find
+  // it enter through gate_: (job & 0xffffffff) << 32 | closed << 31 | workers inside. When the
+  // caller runs out of tasks it closes the gate and waits only for the workers inside (each
+  // finishing its last task); one still waking up finds the gate closed and stays out, so a
+  // slow wake-up never delays a job that the others have finished.
+  std::atomic<uint64_t> job_{0};
+  std::atomic<uint64_t> gate_{0};
+  // Sleeping workers wait on signal_ (a futex word on Linux), bumped by every job and wake().
+  std::atomic<uint32_t> signal_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<int> active_workers_{0};  // workers (excluding the caller) that may take part
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_{0};

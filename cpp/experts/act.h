@@ -100,8 +100,8 @@ inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale
   sum = total;
 }
 
-// Rows of activations entering a matmul. Every buffer keeps 32 zero rows past its last row so
-// that 32-row tiles never read past the end. `store` writes one row from n fp32 values (the
+// Rows of activations entering a matmul. A buffer keeps `pad` zero rows past its last row (32 where
+// the call copies rows into 32-row tiles, which then never read past the end; none otherwise). `store` writes one row from n fp32 values (the
 // rest of the row, up to ld, reads as zero); `at(row)` is what the microkernels take.
 template <Act A>
 struct ActRows;
@@ -114,10 +114,10 @@ struct PlainRows {
   };
   T* buf = nullptr;
   int64_t ld = 0;
-  void alloc(Workspace::Call& ws, int64_t rows, int64_t ld_) {
+  void alloc(Workspace::Call& ws, int64_t rows, int64_t ld_, int64_t pad) {
     ld = ld_;
-    buf = ws.take<T>((rows + 32) * ld);
-    std::memset(static_cast<void*>(buf + rows * ld), 0, size_t(32 * ld) * sizeof(T));
+    buf = ws.take<T>((rows + pad) * ld);
+    std::memset(static_cast<void*>(buf + rows * ld), 0, size_t(pad * ld) * sizeof(T));
   }
   Panel at(int64_t row) const { return {buf + row * ld, ld}; }
 };
@@ -162,14 +162,14 @@ struct ActRows<Act::kI8> {
   float* scale = nullptr;
   int32_t* sum = nullptr;
   int64_t ld = 0, group = 0, ldg = 0;
-  void alloc(Workspace::Call& ws, int64_t rows, int64_t ld_, int64_t group_) {
+  void alloc(Workspace::Call& ws, int64_t rows, int64_t ld_, int64_t pad, int64_t group_) {
     ld = ld_, group = group_, ldg = ld / group;
-    q = ws.take<int8_t>((rows + 32) * ld);
-    scale = ws.take<float>((rows + 32) * ldg);
-    sum = ws.take<int32_t>((rows + 32) * ldg);
-    std::memset(q + rows * ld, 0, size_t(32 * ld));
-    std::fill(scale + rows * ldg, scale + (rows + 32) * ldg, 0.f);
-    std::fill(sum + rows * ldg, sum + (rows + 32) * ldg, 0);
+    q = ws.take<int8_t>((rows + pad) * ld);
+    scale = ws.take<float>((rows + pad) * ldg);
+    sum = ws.take<int32_t>((rows + pad) * ldg);
+    std::memset(q + rows * ld, 0, size_t(pad * ld));
+    std::fill(scale + rows * ldg, scale + (rows + pad) * ldg, 0.f);
+    std::fill(sum + rows * ldg, sum + (rows + pad) * ldg, 0);
   }
   void store(int64_t row, float* src, int64_t n) {
     for (int64_t g = 0; g < ldg; ++g) {

@@ -189,11 +189,11 @@ void build_tiles(Workspace::Call& ws, const Routing& r, const Rows& rows, const 
 }
 
 template <class Fmt>
-void alloc_rows(Workspace::Call& ws, ActRows<Fmt::kAct>& a, int64_t rows, int64_t ld, int64_t group) {
+void alloc_rows(Workspace::Call& ws, ActRows<Fmt::kAct>& a, int64_t rows, int64_t ld, int64_t pad, int64_t group) {
   if constexpr (Fmt::kAct == Act::kI8)
-    a.alloc(ws, rows, ld, group);
+    a.alloc(ws, rows, ld, pad, group);
   else
-    a.alloc(ws, rows, ld);
+    a.alloc(ws, rows, ld, pad);
 }
 
 // Packed weights (prepacked, or packed on the fly per task): the path of every format.
@@ -217,9 +217,10 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   pool.wake(threads1);  // the gather below runs while the workers get going
 
   ActRows<Fmt::kAct> X, Hact;
-  alloc_rows<Fmt>(ws, X, S, Fmt::packed_k(p.H, p.group13), p.group13);
+  const int64_t pad = use_tiles<Fmt>(r.max_rows) ? 32 : 0;  // rows a 32-row tile may read past the end
+  alloc_rows<Fmt>(ws, X, S, Fmt::packed_k(p.H, p.group13), pad, p.group13);
   const int64_t ldh = std::max(Fmt::packed_k(p.I, p.group2), n_pairs * kBlockN);
-  alloc_rows<Fmt>(ws, Hact, S, ldh, p.group2);
+  alloc_rows<Fmt>(ws, Hact, S, ldh, pad, p.group2);
   gather(p, r, X, threads);
   ExpertTiles x_tiles, h_tiles;
   build_tiles<Fmt>(ws, r, X, k13, threads, x_tiles);
@@ -227,7 +228,7 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   // per group of a whole row) into fp32 rows first.
   ActRows<Act::kF32> Hf;
   if constexpr (kQuantAct) {
-    Hf.alloc(ws, S, n_pairs * kBlockN);
+    Hf.alloc(ws, S, n_pairs * kBlockN, 0);
   } else {  // columns of Hact no GEMM1 block writes read as zero in GEMM2
     for (int64_t s = 0; s < S; ++s) std::fill(Hact.buf + s * ldh + n_pairs * kBlockN, Hact.buf + (s + 1) * ldh, 0);
   }
@@ -324,8 +325,8 @@ void run_rows(const MoeParams& p, const Routing& r, int threads) {
   const int64_t wsz = sizeof(typename Fmt::Elem), ldh = n_pairs * kBlockN, ldy = n_out * kBlockN;
   ActRows<Act::kF32> X, Hact;
   X.round_bf16 = Hact.round_bf16 = Fmt::kAct == Act::kBF16;
-  X.alloc(ws, S, p.H);
-  Hact.alloc(ws, S, ldh);
+  X.alloc(ws, S, p.H, 0);
+  Hact.alloc(ws, S, ldh, 0);
   gather(p, r, X, threads);
   float* Y = ws.take<float>(S * ldy);
   const int64_t n_active = int64_t(r.active.size());

@@ -1,7 +1,11 @@
 // Tuning harness for the CPU experts op: run_moe of one ISA level on synthetic packed weights
 // (random quantised values with valid scales, or random bf16), timing each phase of the op
 // (moe_experts.cpp built with HMOE_PHASE_TIMING). See build.sh beside this file.
-//   experts_tune FORMAT(bf16|int8|int4) H I E K T [repeats]
+//   experts_tune FORMAT(bf16|int8|int4) H I E K T [repeats] [MODE]
+// MODE says what precedes each timed call (medians printed): hot (nothing: back to back, the
+// default), evict (a read of 512 MiB, evicting the caches), idle (100 ms asleep), cold (both, as
+// the bench's cold calls), and idle-wake / cold-wake (the same, then the pool woken and 30 us of
+// spinning: the workers are awake when the call comes).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -13,6 +17,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/thread_pool.h"
 #include "experts/format.h"
 #include "experts/isa/contract.h"
 #include "experts/moe_experts.h"
@@ -102,20 +107,50 @@ int main(int argc, char** argv) {
   p.w13 = w13.data(), p.w2 = w2.data(), p.w_format = fmt, p.packed = 1, p.group13 = g13, p.group2 = g2;
   p.out = out.data(), p.T = T, p.K = K, p.E = E, p.H = H, p.I = I, p.num_threads = threads;
   const double flop = 6.0 * double(H) * double(I) * double(T * K);
-  double best = 1e30, phases[5] = {};
+  const std::string mode = argc > 8 ? argv[8] : "hot";
+  const bool evict = mode == "evict" || mode.rfind("cold", 0) == 0;
+  const bool idle = mode.rfind("idle", 0) == 0 || mode.rfind("cold", 0) == 0;
+  const bool wake = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "-wake") == 0;
+  if (!evict && !idle && mode != "hot") {
+    std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
+    return 2;
+  }
+  std::vector<uint64_t> junk(evict ? (512u << 20) / 8 : 0, 1);
+  volatile uint64_t sink = 0;
+  std::vector<double> total;
+  std::vector<std::vector<double>> ph(5);
   for (int r = 0; r < repeats + 1; ++r) {
+    if (evict) {
+      uint64_t s = 0;
+      for (size_t i = 0; i < junk.size(); i += 8) s += junk[i];
+      sink = sink + s;
+    }
+    if (idle) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (wake) {
+      ThreadPool::instance().wake(threads);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    }
     const auto t0 = std::chrono::steady_clock::now();
     HMOE_ISA::run_moe(p);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (r > 0 && ms < best) {
-      best = ms;
-      std::memcpy(phases, HMOE_ISA::g_phase_ms, sizeof(phases));
-    }
+    if (r == 0) continue;
+    total.push_back(ms);
+    for (int i = 0; i < 5; ++i) ph[size_t(i)].push_back(HMOE_ISA::g_phase_ms[i]);
   }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double best = median(total);
+  double phases[5];
+  for (int i = 0; i < 5; ++i) phases[i] = median(ph[size_t(i)]);
   std::printf(
-      "%s H=%lld I=%lld E=%lld K=%lld T=%lld threads %d: %.3f ms  %.0f GFLOP/s  "
-      "(gather %.2f, gemm1 %.2f, quantise h %.2f, gemm2 %.2f, combine %.2f)\n",
-      fmt_name.c_str(), (long long)H, (long long)I, (long long)E, (long long)K, (long long)T, threads, best,
-      flop / best / 1e6, phases[0], phases[1], phases[2], phases[3], phases[4]);
+      "%s H=%lld I=%lld E=%lld K=%lld T=%lld threads %d %s: %.3f ms median (min %.3f)  %.0f GFLOP/s  "
+      "(gather %.3f, gemm1 %.3f, quantise h %.3f, gemm2 %.3f, combine %.3f)\n",
+      fmt_name.c_str(), (long long)H, (long long)I, (long long)E, (long long)K, (long long)T, threads, mode.c_str(),
+      best, *std::min_element(total.begin(), total.end()), flop / best / 1e6, phases[0], phases[1], phases[2],
+      phases[3], phases[4]);
   return 0;
 }
