@@ -4,8 +4,8 @@
 #include <pthread.h>
 
 #include <algorithm>
-#include <climits>
 #include <chrono>
+#include <climits>
 #include <stdexcept>
 #include <string>
 #include <system_error>

@@ -101,8 +101,9 @@ inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale
 }
 
 // Rows of activations entering a matmul. A buffer keeps `pad` zero rows past its last row (32 where
-// the call copies rows into 32-row tiles, which then never read past the end; none otherwise). `store` writes one row from n fp32 values (the
-// rest of the row, up to ld, reads as zero); `at(row)` is what the microkernels take.
+// the call copies rows into 32-row tiles, which then never read past the end; none otherwise).
+// `store` writes one row from n fp32 values (the rest of the row, up to ld, reads as zero);
+// `at(row)` is what the microkernels take.
 template <Act A>
 struct ActRows;
 

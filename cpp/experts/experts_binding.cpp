@@ -1,15 +1,19 @@
 // Python module hmoe._native.experts_<isa>: the CPU MoE experts op built for one ISA level.
 #include <pybind11/pybind11.h>
-#include <sys/mman.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <vector>
 
 #include "bind/module.h"
+#include "common/huge_pages.h"
 #include "common/thread_pool.h"
 #include "experts/experts_entry.h"
 #include "experts/format.h"
@@ -83,25 +87,13 @@ QuantArg quant_arg(py::handle data, py::handle scales, const char* dname, const 
   return q;
 }
 
-// Packed weights are streamed once per call by every thread: backed by 2 MiB pages where the
-// kernel allows it (transparent huge pages in "madvise" or "always" mode), a decode call's walk over
-// tens of megabytes takes a page walk every 2 MiB instead of every 4 KiB. Asked before the packer
-// first touches the memory; only advice, so a kernel that refuses changes nothing.
-void advise_huge_pages(void* p, int64_t bytes) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes)) & ~(kHuge - 1);
-  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
-#else
-  (void)p, (void)bytes;
-#endif
-}
+// Packed weights are streamed once per call by every thread: huge-page advised (common/huge_pages.h)
+// before the packer first touches them.
 
 // A packed-weights tensor of `bytes` bytes (uint8, CPU) from torch's allocator, huge-page advised.
 py::object packed_empty(int64_t bytes, void** data) {
   py::object t = hb::empty({bytes}, hmoe::kU8, -1, data);
-  advise_huge_pages(*data, bytes);
+  hmoe::advise_huge_pages(*data, bytes);
   return t;
 }
 
@@ -113,15 +105,20 @@ hb::TensorArg packed_arg(py::handle t, const char* name) {
 // run_job(job) with no Python and no GIL: a CUDA host function enqueued on a stream
 // (cudaLaunchHostFunc, also inside a captured CUDA graph). Nothing may throw out of run_job: an
 // error is kept for host_job_error and the output is filled with NaN, so that a failure is never
-// a plausible result.
+// a plausible result. Each run's wall time is kept (the last kTimes, read by host_job_times): what
+// the experts cost inside a stream or a graph, where no Python timer can see them.
 struct HostJob {
+  static constexpr int64_t kTimes = 1024;
   MoeParams p;
-  std::mutex mu;
+  std::mutex mu;  // error, times, runs
   std::string error;
+  float times[kTimes];
+  int64_t runs = 0;  // since the last host_job_times
 };
 
 void run_job(void* ctx) noexcept {
   auto* job = static_cast<HostJob*>(ctx);
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     check_ready();
     if (job->p.T > 0) hmoe::HMOE_ISA::run_moe(job->p);
@@ -134,6 +131,12 @@ void run_job(void* ctx) noexcept {
     }
     std::lock_guard<std::mutex> lock(job->mu);
     job->error = e.what();
+  }
+  const float us = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  try {
+    std::lock_guard<std::mutex> lock(job->mu);
+    job->times[job->runs++ % HostJob::kTimes] = us;
+  } catch (const std::system_error&) {  // the lock failed: this run goes unrecorded
   }
 }
 
@@ -185,6 +188,15 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     return error;
   });
 
+  HMOE_DEF(m, host_job_times, {
+    HostJob* j = job_at(job);
+    std::lock_guard<std::mutex> lock(j->mu);
+    const int64_t n = std::min(j->runs, HostJob::kTimes);
+    std::vector<float> out;
+    for (int64_t i = j->runs - n; i < j->runs; ++i) out.push_back(j->times[i % HostJob::kTimes]);
+    j->runs = 0;
+    return out;
+  });
   HMOE_DEF(m, host_job_free, { delete job_at(job); });
 
   HMOE_DEF(m, packed_bytes, {

@@ -2,12 +2,12 @@
 // the memory (and the pages already faulted in) of its thread's previous calls instead of
 // allocating and first-touching tens of megabytes every time (a V3 prefill's activations).
 #pragma once
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
+
+#include "common/huge_pages.h"
 
 namespace hmoe {
 
@@ -69,12 +69,7 @@ class Workspace {
     Block b;
     b.mem.reset(new char[size_t(size + 64)]);
     b.size = size;
-#ifdef MADV_HUGEPAGE  // advice only: 2 MiB pages where the kernel allows them
-    constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-    const uintptr_t a = (reinterpret_cast<uintptr_t>(b.mem.get()) + kHuge - 1) & ~(kHuge - 1);
-    const uintptr_t e = (reinterpret_cast<uintptr_t>(b.mem.get()) + uintptr_t(size)) & ~(kHuge - 1);
-    if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
-#endif
+    advise_huge_pages(b.mem.get(), size);
     blocks_.push_back(std::move(b));
   }
   static char* aligned(const Block& b) {

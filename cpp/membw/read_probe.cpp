@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/huge_pages.h"
+
 namespace hmoe {
 namespace {
 
@@ -36,6 +38,7 @@ double read_bandwidth(int64_t bytes, int threads, int repeats) {
     throw std::invalid_argument("read_bandwidth: bytes >= 1 MiB, threads >= 1, repeats >= 1");
   const int64_t n = bytes / 8;
   std::unique_ptr<uint64_t[]> buf(new uint64_t[size_t(n)]);
+  advise_huge_pages(buf.get(), n * 8);  // as the packed expert weights are
   // Each thread fills (first touch: its pages land on its node) and then reads its own slice.
   auto run = [&](auto&& body) {
     std::vector<std::thread> pool;

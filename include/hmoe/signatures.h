@@ -29,6 +29,7 @@
       (i64, H), (i64, I), (i64, group13), (i64, group2), (tensor, out), (i32, num_threads)
 #define HMOE_ARGS_host_job_error (i64, job)
 #define HMOE_ARGS_host_job_free HMOE_ARGS_host_job_error
+#define HMOE_ARGS_host_job_times HMOE_ARGS_host_job_error
 #define HMOE_ARGS_pack_weights (tensor, w13), (tensor, w2), (i32, num_threads)
 #define HMOE_ARGS_pack_quantized                                                                                     \
   (tensor, w13_data), (tensor, w13_scales), (tensor, w2_data), (tensor, w2_scales), (i32, w_format), (i64, group13), \
@@ -70,6 +71,7 @@
   X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                                 \
   X(experts, experts, host_job_create, "(run_fn, job)", HMOE_ARGS_host_job_create)                             \
   X(experts, experts, host_job_error, "str", HMOE_ARGS_host_job_error)                                         \
+  X(experts, experts, host_job_times, "list of run times (us)", HMOE_ARGS_host_job_times)                      \
   X(experts, experts, host_job_free, "None", HMOE_ARGS_host_job_free)                                          \
   X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                         \
   X(experts, experts, pack_quantized, "(w13_packed, w2_packed)", HMOE_ARGS_pack_quantized)                     \

@@ -56,3 +56,26 @@ def test_host_job_checks_its_buffers():
         mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, x, 1)
     with pytest.raises(ValueError, match="null handle"):
         mod.host_job_error(0)
+
+
+def test_host_job_records_its_run_times():
+    x, ids, w, w13, w2 = random_problem(3, 32, 16, 4, 2, torch.float32, torch.float32)
+    experts = hmoe.CPUExperts(w13, w2)
+    out = torch.empty_like(x)
+    mod = experts._mod
+    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, 1)
+    try:
+        assert mod.host_job_times(job) == []
+        for _ in range(3):
+            RUN(fn)(job)
+        times = mod.host_job_times(job)
+        assert len(times) == 3 and all(0 < t < 1e6 for t in times)  # microseconds
+        assert mod.host_job_times(job) == []  # read once
+        for _ in range(1030):  # the last 1024 runs are kept
+            RUN(fn)(job)
+        assert len(mod.host_job_times(job)) == 1024
+        ids[0, 0] = 9  # a failed run is timed too
+        RUN(fn)(job)
+        assert len(mod.host_job_times(job)) == 1 and mod.host_job_error(job)
+    finally:
+        mod.host_job_free(job)

@@ -56,10 +56,16 @@ def test_graph_replay_of_decode_steps_matches_eager(kind, dtype):
     hn.patch_model(m, progress=False)
     prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     eager = hn.GraphDecoder(m, batch_size=2, max_cache_len=40, capture=False).generate(prompt, 20)
+    blocks = [b for b in m.modules() if isinstance(b, hn.HybridMoE)]
+    for b in blocks:
+        b.host_run_times()
     graphed = hn.GraphDecoder(m, batch_size=2, max_cache_len=40)
     got = graphed.generate(prompt, 20)
     assert graphed._graph is not None
     assert torch.equal(got, eager)
+    for b in blocks:  # the prefill, the eager first step and 18 replays ran the CPU experts, each timed
+        times = b.host_run_times()
+        assert len(times) == 20 and min(times) > 0
     if dtype == torch.float32:
         with torch.no_grad():
             want = m.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)

@@ -47,9 +47,17 @@ def _sync(torch, device):
 PROMPT = 16
 
 
-def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int) -> float:
-    """Seconds per decode step of `batch` sequences after a PROMPT-token prefill (hmoe.nn.GraphDecoder:
-    static cache; with capture, steps replay one CUDA graph)."""
+def _host_run_seconds(model) -> float:
+    """Seconds of CPU expert runs made by host functions since the last call, over every HybridMoE."""
+    import hmoe.nn as hn
+
+    return 1e-6 * sum(sum(b.host_run_times()) for b in model.modules() if isinstance(b, hn.HybridMoE))
+
+
+def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int) -> tuple[float, float]:
+    """(seconds per decode step, seconds of it the CPU experts ran inside host functions) for `batch`
+    sequences after a PROMPT-token prefill (hmoe.nn.GraphDecoder: static cache; with capture, steps
+    replay one CUDA graph)."""
     import hmoe.nn as hn
 
     dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=PROMPT + steps + 4, capture=capture)
@@ -59,11 +67,12 @@ def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, voc
     for _ in range(2):  # eager warm-up, then the capture (and its first replay)
         nxt = dec.step(nxt).argmax(-1)
     _sync(torch, device)
+    _host_run_seconds(model)
     t0 = time.perf_counter()
     for _ in range(steps):
         nxt = dec.step(nxt).argmax(-1)
     _sync(torch, device)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, _host_run_seconds(model) / steps
 
 
 def prefill_seconds(torch, model, tokens: int, device, vocab: int, repeats: int = 2) -> float:
@@ -123,7 +132,7 @@ def baseline(torch, opts, dtype, device, vocab: int) -> dict:
     out = {"how": how, "decode_s": {}}
     with torch.no_grad():
         for batch in opts.batches[:1]:
-            out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab)
+            out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab)[0]
         if opts.prefill:
             out["prefill_s"] = prefill_seconds(torch, model, opts.prefill, device, vocab, repeats=1)
     del model
@@ -169,7 +178,8 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
             entry = {"cpu_experts_alone_s": cpu_s, "distinct_experts_per_layer": distinct, "bound_s": bound_s}
             modes = [("eager", False)] + ([("cuda graph", True)] if device.type == "cuda" else [])
             for name, capture in modes:
-                entry[name] = decode_rate(torch, model, batch, opts.steps, capture, device, vocab)
+                entry[name], entry[f"{name} cpu experts inside"] = decode_rate(torch, model, batch, opts.steps,
+                                                                               capture, device, vocab)
             result["decode"][batch] = entry
         if opts.prefill:
             progress(f"prefill {opts.prefill} tokens")
@@ -188,7 +198,10 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
         print(f"baseline unavailable: {base['error']}")
     elif base:
         print(f"baseline: {base['how']}")
-    head = f"{'decode':<22}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}"
+    if device.type == "cuda":
+        print("cpu inside = the CPU experts' own run time inside the step (host functions); the rest of the step is "
+              "the GPU's serial work between layers and the hand-over to and from the host functions")
+    head = f"{'decode':<22}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}{'cpu inside':>12}"
     print(head + "\n" + "-" * len(head))
     for batch, e in result["decode"].items():
         b_s = base.get("decode_s", {}).get(batch)
@@ -196,8 +209,10 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
             if name in e:
                 s = e[name]
                 rows.append(name)
+                inside = e[f"{name} cpu experts inside"]
                 print(f"{f'hmoe {name}, B={batch}':<22}{batch / s:>10.2f}{s * 1e3:>10.2f}{100 * e['bound_s'] / s:>8.1f}%"
-                      f"{(f'{b_s / s:.1f}x' if b_s else '-'):>9}{s / e['cpu_experts_alone_s']:>14.2f}x")
+                      f"{(f'{b_s / s:.1f}x' if b_s else '-'):>9}{s / e['cpu_experts_alone_s']:>14.2f}x"
+                      f"{(f'{inside * 1e3:.2f} ms' if inside else '-'):>12}")
         print(f"{f'CPU experts alone B={batch}':<22}{batch / e['cpu_experts_alone_s']:>10.2f}"
               f"{e['cpu_experts_alone_s'] * 1e3:>10.2f}{100 * e['bound_s'] / e['cpu_experts_alone_s']:>8.1f}%")
         print(f"{f'bound B={batch}':<22}{batch / e['bound_s']:>10.2f}{e['bound_s'] * 1e3:>10.2f}"

@@ -127,6 +127,10 @@ class HostJob:
         """The error of the last failed run ('' if none), cleared by reading it."""
         return self._mod.host_job_error(self._job)
 
+    def times(self) -> list[float]:
+        """Wall times (us) of the runs since the last read, oldest first (at most the last 1024)."""
+        return self._mod.host_job_times(self._job)
+
     def __del__(self):
         job = getattr(self, "_job", None)
         if job:

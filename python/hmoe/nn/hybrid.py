@@ -195,6 +195,12 @@ class HybridMoE(torch.nn.Module):
         main.wait_stream(side)
         return (routed if gpu is None else routed + gpu), shared
 
+    def host_run_times(self) -> list[float]:
+        """Wall times (us) of the CPU expert runs that host functions made on a CUDA stream (eager calls
+        and graph replays) since the last call, oldest first: what the experts cost inside a step,
+        where no Python timer sees them."""
+        return [t for job in self._jobs.values() for t in job.times()]
+
     def _job(self, tokens: int, dtype, device):
         from . import _staging
 
