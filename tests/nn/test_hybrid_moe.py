@@ -279,3 +279,56 @@ def test_patch_with_quantised_experts(quant, group_size, tol):
     hn.patch_model(m16, quant=quant, group_size=group_size, progress=False)
     x = torch.randn(5, m16.config.hidden_size, dtype=torch.float16)
     assert all(b(x).dtype == torch.float16 for b in _moe(m16))
+
+
+def test_router_follows_a_changed_gate_weight():
+    # the fp32 copy of a bf16 router weight is kept between calls and remade when the weight changes
+    from hmoe import ops
+
+    m = models.model("v3", torch.bfloat16)
+    hn.patch_model(m, progress=False)
+    block = _moe(m)[0]
+    x = torch.randn(5, block.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def expected():
+        logits = torch.nn.functional.linear(x.float(), block.gate_weight.float())
+        return ops.grouped_topk(logits, block.top_k, n_group=block.n_group, topk_group=block.topk_group,
+                                scoring=block.scoring, bias=block.e_score_correction_bias,
+                                renormalize=block.renormalize, routed_scaling_factor=block.routed_scaling_factor)
+
+    for _ in range(2):
+        got, want = block.route(x), expected()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        before = got[1]
+        with torch.no_grad():
+            block.gate_weight.copy_(-block.gate_weight)
+        got, want = block.route(x), expected()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not torch.equal(got[1], before)
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_fused_norms_compute_what_transformers_does(kind, dtype):
+    from hmoe.nn._hf import FusedRMSNorm
+
+    m = models.model(kind, dtype)
+    norms = [mod for mod in m.modules() if type(mod).__name__.endswith("RMSNorm")]
+    assert norms
+    g = torch.Generator().manual_seed(5)
+    for mod in norms:
+        with torch.no_grad():
+            mod.weight.copy_(torch.randn(mod.weight.shape, generator=g))
+            x = (torch.randn(9, mod.weight.shape[0], generator=g) * 4).to(dtype)
+            want, got = mod(x), FusedRMSNorm(mod.weight, mod.variance_epsilon)(x)
+        assert got.dtype == want.dtype == dtype and torch.equal(got, want)  # the same roundings, on the CPU
+    report = hn.patch_model(m, progress=False)
+    assert report.norms == len(norms) and f"RMSNorms: {len(norms)} fused" in str(report)
+    assert not [mod for mod in m.modules() if type(mod).__name__ in ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm")]
+
+
+def test_fuse_norms_false_keeps_the_models_norms():
+    m = models.model("v3")
+    before = [n for n, mod in m.named_modules() if type(mod).__name__.endswith("RMSNorm")]
+    report = hn.patch_model(m, fuse_norms=False, progress=False)
+    assert report.norms == 0 and "RMSNorms" not in str(report)
+    assert [n for n, mod in m.named_modules() if type(mod).__name__.endswith("RMSNorm")] == before

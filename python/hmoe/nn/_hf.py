@@ -117,6 +117,7 @@ class PatchReport:
     isa: str | None
     device: str
     freed_bytes: int
+    norms: int = 0  # RMSNorms swapped for FusedRMSNorm
 
     @property
     def swapped(self) -> int:
@@ -138,7 +139,40 @@ class PatchReport:
                  f"{', '.join(dtypes)}, isa {self.isa}), {n_gpu} kept on {self.device}",
                  f"  routed expert weights taken from {', '.join(sorted({b.moved_from for b in self.blocks}))}: "
                  f"{_size(self.freed_bytes)} freed there"]
+        if self.norms:
+            lines.append(f"  RMSNorms: {self.norms} fused (torch's rms_norm and the weight: 2 ops each instead of 7)")
         return "\n".join(lines)
+
+
+# transformers' DeepSeek RMSNorms: weight * (x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype).
+_HF_RMSNORMS = ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm")
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """transformers' DeepSeek RMSNorm through torch's fused rms_norm: the mean of squares and the
+    scaling in fp32, rounded once to x's dtype, then times the weight, as the original computes it
+    (two kernels on a GPU where the original launches seven). Takes over the original's weight."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+
+    def forward(self, hidden_states):
+        return self.weight * torch.nn.functional.rms_norm(hidden_states, (hidden_states.shape[-1],),
+                                                          eps=self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def _fuse_norms(model) -> int:
+    """Swaps transformers' DeepSeek RMSNorms for FusedRMSNorm; returns how many."""
+    found = [(n, m) for n, m in model.named_modules() if type(m).__name__ in _HF_RMSNORMS
+             and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and hasattr(m, "variance_epsilon")]
+    for name, m in found:
+        _set_submodule(model, name, FusedRMSNorm(m.weight, m.variance_epsilon))
+    return len(found)
 
 
 def _size(nbytes: int) -> str:
@@ -191,7 +225,7 @@ def _progress(iterable, total: int, enabled: bool):
 
 
 def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = None, quant: str | None = None,
-                group_size: int | None = None, progress: bool = True) -> PatchReport:
+                group_size: int | None = None, fuse_norms: bool = True, progress: bool = True) -> PatchReport:
     """Swaps every DeepSeek-V2/V3 MoE block of `model` for a HybridMoE in place (router and shared
     experts stay where they are; routed expert weights go to host memory, packed for this CPU, and
     their copies on the model's device are freed). Returns a PatchReport (print it).
@@ -200,7 +234,9 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     statistics: the busiest experts of one forward of the original model on `calibration` (input
     ids, or a dict of model inputs). isa forces a CPU ISA level (see hmoe.compat). quant ("int8",
     "int4", "fp8"; group_size) quantises the CPU experts' weights as they are packed (HybridMoE).
-    A model without MoE blocks is a ValueError; a model patched before gives a report saying so.
+    fuse_norms swaps the model's DeepSeek RMSNorms for FusedRMSNorm (same result, the mean and the
+    scaling in one kernel: between two layers' CPU experts the GPU's serial work is dozens of small
+    kernels). A model without MoE blocks is a ValueError; a model patched before gives a report saying so.
     """
     from .hybrid import HybridMoE
 
@@ -233,9 +269,10 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
         del w13, w2
         reports.append(BlockReport(name, E, hybrid.gpu_ids.tolist(), dtype, moved_from, hybrid.experts.packed_bytes,
                                    hybrid.experts.format))
+    norms = _fuse_norms(model) if fuse_norms else 0
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return PatchReport(reports, done, isa_name, device, freed)
+    return PatchReport(reports, done, isa_name, device, freed, norms)
 
 
 def _set_submodule(model, name: str, module) -> None:

@@ -98,6 +98,8 @@ class HybridMoE(torch.nn.Module):
             self.experts = CPUExperts(c13, c2, isa=isa)
         self._jobs: dict = {}
         self._side: dict = {}
+        self._ones: dict = {}
+        self._gate_f32, self._gate_key = None, None
         self._warned_grad = False
 
     # --- construction from transformers ---------------------------------------------------------------
@@ -116,9 +118,20 @@ class HybridMoE(torch.nn.Module):
 
     # --- forward ---------------------------------------------------------------------------------------
 
+    def _gate_fp32(self):
+        """gate_weight in fp32: a copy made once and remade only when the weight changes (a decode
+        step would otherwise cast [E, H] again in every layer)."""
+        w = self.gate_weight
+        if w.dtype == torch.float32 or torch.compiler.is_compiling():
+            return w.float()
+        key = (w.data_ptr(), w._version, w.device, w.shape)
+        if self._gate_key != key:
+            self._gate_f32, self._gate_key = w.float(), key
+        return self._gate_f32
+
     def route(self, x):
         """(weights fp32 [T, top_k], ids int32 [T, top_k]) for x [T, H], on x's device."""
-        logits = F.linear(x.float(), self.gate_weight.float())
+        logits = F.linear(x.float(), self._gate_fp32())
         if torch.compiler.is_compiling():  # the custom op: traceable, same kernel
             return library.grouped_topk(logits, self.top_k, self.n_group, self.topk_group, self.scoring,
                                         self.e_score_correction_bias, self.renormalize, self.routed_scaling_factor)
@@ -139,7 +152,7 @@ class HybridMoE(torch.nn.Module):
                           "model under torch.no_grad() or torch.inference_mode())", stacklevel=2)
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, ids = self.route(x)
-        self.routing_counts.index_add_(0, ids.flatten().long(), torch.ones_like(ids.flatten(), dtype=torch.int64))
+        self._count(ids)
         cpu_ids, cpu_w = self._cpu_routing(ids, weights)
         if x.is_cuda and not torch.compiler.is_compiling():
             routed, shared = self._forward_cuda(x, hidden_states, ids, weights, cpu_ids, cpu_w)
@@ -150,6 +163,18 @@ class HybridMoE(torch.nn.Module):
             shared = None if self.shared_experts is None else self.shared_experts(hidden_states)
         out = routed.view(hidden_states.shape)
         return out if shared is None else out + shared
+
+    def _count(self, ids):
+        """routing_counts[e] += the slots routed to e: one kernel (int32 ids, ones kept per size)."""
+        flat = ids.flatten()
+        if torch.compiler.is_compiling():
+            self.routing_counts.index_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+            return
+        ones = self._ones.get((flat.numel(), flat.device))
+        if ones is None:
+            ones = self._ones[(flat.numel(), flat.device)] = torch.ones(flat.numel(), dtype=torch.int64,
+                                                                        device=flat.device)
+        self.routing_counts.index_add_(0, flat, ones)
 
     def _cpu_routing(self, ids, weights):
         """ids in the CPU experts' numbering (int32) and their weights: a slot of a GPU-resident expert
