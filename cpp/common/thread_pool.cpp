@@ -69,7 +69,7 @@ constexpr uint64_t kClosed = uint64_t(1) << 31;
 constexpr uint64_t kInside = kClosed - 1;
 uint64_t gate_of(uint64_t job) { return (job & 0xffffffffu) << 32; }
 
-// The process's pool. It is never destroyed: at exit its workers sleep on a condition variable
+// The process's pool. It is never destroyed: at exit its workers sleep on their futex word
 // and die with the process (joining them from a static destructor would race with interpreter
 // shutdown), and after fork() the child only forgets it (see instance()).
 std::atomic<ThreadPool*> g_pool{nullptr};
