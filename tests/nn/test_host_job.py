@@ -1,5 +1,6 @@
 """The experts modules' host jobs (what a CUDA host function runs), driven here through ctypes on the
 CPU: the same result as a direct call, and a failure kept as an error with a NaN output."""
+import contextlib
 import ctypes
 
 import pytest
@@ -12,38 +13,41 @@ from ..ops.experts_reference import random_problem
 RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
+@contextlib.contextmanager
+def host_job(experts, x, ids, w, out, threads):
+    """(module, job handle, run) for a host job of `experts` over these buffers, freed afterwards; run() runs it."""
+    mod = experts._mod
+    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, threads)
+    try:
+        yield mod, job, lambda: RUN(fn)(job)
+    finally:
+        mod.host_job_free(job)
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_host_job_runs_the_experts(x_dtype):
     x, ids, w, w13, w2 = random_problem(5, 48, 40, 6, 2, x_dtype, torch.bfloat16)
     experts = hmoe.CPUExperts(w13, w2)
     out = torch.full_like(x, float("nan"))
-    mod = experts._mod
-    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, 2)
-    try:
-        RUN(fn)(job)
+    with host_job(experts, x, ids, w, out, 2) as (mod, job, run):
+        run()
         assert mod.host_job_error(job) == ""
         assert torch.equal(out, experts(x, ids, w))
         x.copy_(torch.randn_like(x))  # the job reads its buffers at each run
-        RUN(fn)(job)
+        run()
         assert torch.equal(out, experts(x, ids, w))
-    finally:
-        mod.host_job_free(job)
 
 
 def test_host_job_failure_is_an_error_and_nan():
     x, ids, w, w13, w2 = random_problem(3, 32, 16, 4, 2, torch.float16, torch.float32)
     experts = hmoe.CPUExperts(w13, w2)
     out = torch.zeros_like(x)
-    mod = experts._mod
-    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, 1)
-    try:
+    with host_job(experts, x, ids, w, out, 1) as (mod, job, run):
         ids[1, 0] = 7  # outside [0, 4)
-        RUN(fn)(job)
+        run()
         assert torch.isnan(out).all()
         assert "topk_ids holds 7 (token 1, slot 0)" in mod.host_job_error(job)
         assert mod.host_job_error(job) == ""  # read once
-    finally:
-        mod.host_job_free(job)
 
 
 def test_host_job_checks_its_buffers():
@@ -62,20 +66,16 @@ def test_host_job_records_its_run_times():
     x, ids, w, w13, w2 = random_problem(3, 32, 16, 4, 2, torch.float32, torch.float32)
     experts = hmoe.CPUExperts(w13, w2)
     out = torch.empty_like(x)
-    mod = experts._mod
-    fn, job = mod.host_job_create(x, ids, w, experts._w13, experts._w2, *experts._dims, out, 1)
-    try:
+    with host_job(experts, x, ids, w, out, 1) as (mod, job, run):
         assert mod.host_job_times(job) == []
         for _ in range(3):
-            RUN(fn)(job)
+            run()
         times = mod.host_job_times(job)
         assert len(times) == 3 and all(0 < t < 1e6 for t in times)  # microseconds
         assert mod.host_job_times(job) == []  # read once
         for _ in range(1030):  # the last 1024 runs are kept
-            RUN(fn)(job)
+            run()
         assert len(mod.host_job_times(job)) == 1024
         ids[0, 0] = 9  # a failed run is timed too
-        RUN(fn)(job)
+        run()
         assert len(mod.host_job_times(job)) == 1 and mod.host_job_error(job)
-    finally:
-        mod.host_job_free(job)

@@ -144,12 +144,8 @@ inline VI dot4(const VI& acc, const VB& w, const A4& x) {
   return {_mm256_add_epi32(acc.a, quad_sums(_mm256_maddubs_epi16(x.abs, qa))),
           _mm256_add_epi32(acc.b, quad_sums(_mm256_maddubs_epi16(x.abs, qb)))};
 }
-inline VI dot4_u4(const VI& acc, const VB& w, const A4& x) {
-  return {_mm256_add_epi32(acc.a, quad_sums(_mm256_maddubs_epi16(w.a, x.s))),
-          _mm256_add_epi32(acc.b, quad_sums(_mm256_maddubs_epi16(w.b, x.s)))};
-}
 // Nibble products summed as int16 pairs (a vpmaddubsw lane is at most 2 * 15 * 127 = 3810, so 8
-// of them fit), widened to int32 once per kU4Steps: half the multiplies of dot4_u4.
+// of them fit), widened to int32 once per kU4Steps: half the multiplies of widening every product.
 constexpr int kU4Steps = 8;
 struct VS {
   __m256i a, b;

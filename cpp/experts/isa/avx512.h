@@ -55,9 +55,8 @@ inline VI dot4(VI acc, VB w, const A4& x) {
   const __m512i qs = _mm512_mask_sub_epi8(q, x.neg, _mm512_setzero_si512(), q);
   return _mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(x.abs, qs)));
 }
-inline VI dot4_u4(VI acc, VB w, const A4& x) { return _mm512_add_epi32(acc, quad_sums(_mm512_maddubs_epi16(w, x.s))); }
 // Nibble products summed as int16 pairs (a vpmaddubsw lane is at most 2 * 15 * 127 = 3810, so 8
-// of them fit), widened to int32 once per kU4Steps: half the multiplies of dot4_u4.
+// of them fit), widened to int32 once per kU4Steps: half the multiplies of widening every product.
 constexpr int kU4Steps = 8;
 using VS = __m512i;
 inline VS vs_zero() { return _mm512_setzero_si512(); }

@@ -33,7 +33,6 @@ inline A4 bcast_a4(const int8_t* a) {
   return _mm512_set1_epi32(word);
 }
 inline VI dot4(VI acc, VB w, A4 a) { return _mm512_dpbusd_epi32(acc, w, a); }
-inline VI dot4_u4(VI acc, VB w, A4 a) { return _mm512_dpbusd_epi32(acc, w, a); }
 // vpdpbusd accumulates in int32 already: the partial sums are int32 and cost one add a flush.
 constexpr int kU4Steps = 8;
 using VS = VI;

@@ -19,9 +19,9 @@
 //                 dot4(acc, w, a) = acc + sum_j w[4 lane + j] * a[j], w unsigned bytes, exact;
 //                 kDot4Centered: dot4 takes w - 128 in place of w (cheaper without VNNI; the
 //                 caller then skips its 128 * sum(a) correction);
-//                 dot4_u4(acc, w, a): the same for w < 16 (unpacked nibbles), maybe cheaper
 //   VS            partial sums of nibble dot products, exact for kU4Steps dot4_u4s in a row (w < 16,
-//                 |a| <= 127): vs_zero, dot4_u4s(s, w, a) (as dot4_u4), vi_add_vs(acc, s) = acc + s
+//                 |a| <= 127): vs_zero, dot4_u4s(s, w, a) (as dot4 for unpacked nibbles, maybe
+//                 cheaper), vi_add_vs(acc, s) = acc + s
 //   Tiles         the matrix unit: NoTiles where there is none, else kAvailable = true,
 //                 kMinRows (experts with fewer rows use the register kernels), begin() / end()
 //                 around a thread's bf16 tile work, begin_i8(kstep) around its int8 tile work,
@@ -118,7 +118,6 @@ constexpr bool IsaContract() {
   static_assert(std::is_same_v<decltype(bcast_a4(any<const int8_t*>())), A4>, "bcast_a4");
   static_assert(std::is_same_v<decltype(dot4(any<CI>(), any<CB>(), any<const A4&>())), VI>, "dot4");
   static_assert(std::is_same_v<decltype(kDot4Centered), const bool>, "kDot4Centered");
-  static_assert(std::is_same_v<decltype(dot4_u4(any<CI>(), any<CB>(), any<const A4&>())), VI>, "dot4_u4");
   static_assert(std::is_same_v<decltype(kU4Steps), const int> && kU4Steps >= 2 && kU4Steps % 2 == 0, "kU4Steps");
   static_assert(std::is_same_v<decltype(vs_zero()), VS>, "vs_zero");
   static_assert(std::is_same_v<decltype(dot4_u4s(any<const VS&>(), any<CB>(), any<const A4&>())), VS>, "dot4_u4s");

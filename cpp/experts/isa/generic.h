@@ -155,7 +155,6 @@ inline VI dot4(const VI& acc, const VB& w, const A4& a) {
   }
   return r;
 }
-inline VI dot4_u4(const VI& acc, const VB& w, const A4& a) { return dot4(acc, w, a); }
 // Partial sums in int32 (no narrower product here).
 constexpr int kU4Steps = 8;
 using VS = VI;
