@@ -139,6 +139,21 @@ inline void mk_packed_q(const ActRows<Act::kI8>::Panel& A, const uint8_t* const*
           for (int j = 0; j < NR; ++j) acc[i][j] = isa::dot4(acc[i][j], w[j], a);
         }
       }
+    } else if constexpr (isa::kU4Steps == 0) {
+      // int32 partial sums (vpdpbusd, exact for any group): the nibble products go straight into
+      // the accumulators; widening them (below) would cost a second set of MR x NR registers.
+      for (int64_t r = 0; r < group / 8; ++r) {
+        isa::VB w[NR];
+        for (int j = 0; j < NR; ++j) {
+          prefetch(b[j] + r * 64);
+          w[j] = isa::load_vb(b[j] + r * 64);
+        }
+        for (int i = 0; i < MR; ++i) {
+          const auto al = isa::bcast_a4(a0 + i * A.ld + 8 * r), ah = isa::bcast_a4(a0 + i * A.ld + 8 * r + 4);
+          for (int j = 0; j < NR; ++j)
+            acc[i][j] = isa::dot4_u4s(isa::dot4_u4s(acc[i][j], isa::nib_lo(w[j]), al), isa::nib_hi(w[j]), ah);
+        }
+      }
     } else {
       // A row: two rows of 4 k as nibbles; their products in short partial sums (isa::VS), widened
       // every kU4Steps / 2 rows and at the group's end.
@@ -326,10 +341,10 @@ struct Micro<Format<kF32>> : FloatMicro<Format<kF32>> {
   }
 };
 
-// Integer formats keep MR x NR int32 accumulators plus the weight rows in registers: at most 4 rows.
+// Integer formats keep MR x NR int32 accumulators plus the weight rows in registers: isa::kMRInt rows.
 template <class Fmt>
 struct IntMicro {
-  static constexpr int kMR = isa::kMR < 4 ? isa::kMR : 4;
+  static constexpr int kMR = isa::kMRInt;
   using Panel = ActRows<Act::kI8>::Panel;
   static Panel offset(const Panel& a, int64_t rows) {
     return {a.q + rows * a.ld, a.ld, a.scale + rows * a.ldg, a.sum + rows * a.ldg, a.ldg};

@@ -15,6 +15,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 6;  // register kernel rows, for experts with few rows
+constexpr int kMRInt = 6;
 constexpr int kNR = 4;  // 16-column blocks per register tile
 
 struct Tiles {

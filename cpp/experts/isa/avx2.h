@@ -8,6 +8,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 2;
+constexpr int kMRInt = 2;
 constexpr int kNR = 2;  // 16-column blocks per register tile
 using Tiles = NoTiles;
 

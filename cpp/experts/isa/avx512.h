@@ -6,7 +6,8 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 4;
-constexpr int kNR = 4;  // 16-column blocks per register tile
+constexpr int kMRInt = 4;  // an A4 takes two registers; int4 keeps a second set of (partial) sums
+constexpr int kNR = 4;     // 16-column blocks per register tile
 using Tiles = NoTiles;
 
 struct BPair {

@@ -6,6 +6,7 @@
 namespace hmoe::isa {
 
 constexpr int kMR = 6;
+constexpr int kMRInt = 6;
 constexpr int kNR = 4;  // 16-column blocks per register tile
 using Tiles = NoTiles;
 

@@ -5,6 +5,8 @@
 // In namespace hmoe::isa, an ISA header defines:
 //   kMR, kNR      register tile of the packed microkernels: kMR rows (1..8) x kNR blocks of 16
 //                 columns (2 or 4: w13 tasks take kNR / 2 gate/up pairs)
+//   kMRInt        rows of the integer formats' register tile (1..kMR): its kMRInt x kNR int32
+//                 accumulators, the kNR weight rows and their nibbles stay in registers
 //   V             16 fp32 lanes; vzero, vload, vstore, vbcast, vfma(a, b, c) = a * b + c,
 //                 vadd, vmul, vsum (horizontal), vload_f16, vload_bf16 (16 halves widened to fp32)
 //   BPair, APair  a k-pair of a bf16 block ([16][2]) and a broadcast activation pair;
@@ -21,7 +23,9 @@
 //                 caller then skips its 128 * sum(a) correction);
 //   VS            partial sums of nibble dot products, exact for kU4Steps dot4_u4s in a row (w < 16,
 //                 |a| <= 127): vs_zero, dot4_u4s(s, w, a) (as dot4 for unpacked nibbles, maybe
-//                 cheaper), vi_add_vs(acc, s) = acc + s
+//                 cheaper), vi_add_vs(acc, s) = acc + s; kU4Steps = 0 where VS is VI and
+//                 dot4_u4s accumulates exact int32 sums (vpdpbusd): the kernels then feed it their
+//                 accumulators directly and never widen
 //   Tiles         the matrix unit: NoTiles where there is none, else kAvailable = true,
 //                 kMinRows (experts with fewer rows use the register kernels), begin() / end()
 //                 around a thread's bf16 tile work, begin_i8(kstep) around its int8 tile work,
@@ -84,6 +88,7 @@ template <class Vec = V>
 constexpr bool IsaContract() {
   static_assert(std::is_same_v<decltype(kMR), const int> && kMR >= 1 && kMR <= 8, "kMR in 1..8");
   static_assert(std::is_same_v<decltype(kNR), const int> && (kNR == 2 || kNR == 4) && kNR <= kMaxNR, "kNR: 2 or 4");
+  static_assert(std::is_same_v<decltype(kMRInt), const int> && kMRInt >= 1 && kMRInt <= kMR, "kMRInt in 1..kMR");
   static_assert(sizeof(Vec) == 64, "V holds 16 fp32 lanes");
   using CV = const Vec&;
   using F = const float*;
@@ -118,7 +123,9 @@ constexpr bool IsaContract() {
   static_assert(std::is_same_v<decltype(bcast_a4(any<const int8_t*>())), A4>, "bcast_a4");
   static_assert(std::is_same_v<decltype(dot4(any<CI>(), any<CB>(), any<const A4&>())), VI>, "dot4");
   static_assert(std::is_same_v<decltype(kDot4Centered), const bool>, "kDot4Centered");
-  static_assert(std::is_same_v<decltype(kU4Steps), const int> && kU4Steps >= 2 && kU4Steps % 2 == 0, "kU4Steps");
+  static_assert(std::is_same_v<decltype(kU4Steps), const int> &&
+                    (kU4Steps == 0 ? std::is_same_v<VS, VI> : kU4Steps >= 2 && kU4Steps % 2 == 0),
+                "kU4Steps: 0 (VS is VI) or even");
   static_assert(std::is_same_v<decltype(vs_zero()), VS>, "vs_zero");
   static_assert(std::is_same_v<decltype(dot4_u4s(any<const VS&>(), any<CB>(), any<const A4&>())), VS>, "dot4_u4s");
   static_assert(std::is_same_v<decltype(vi_add_vs(any<CI>(), any<const VS&>())), VI>, "vi_add_vs");
