@@ -75,7 +75,8 @@ inline uint16_t f32_to_f16(float f) {
 
 // float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities) times 2^-8,
 // exactly: the byte's bits moved into an fp16 pattern (exponent field e, mantissa m) give that
-// value for normal and subnormal bytes alike, which is how the vector kernels widen it. The NaN
+// value for normal and subnormal bytes alike (the AVX2 kernels widen it so; the AVX-512 ones build
+// the bf16 pattern directly: experts/isa/avx512_common.h). The NaN
 // bytes (0x7f, 0xff) read as +-1.875: hmoe refuses them when packing.
 inline float fp8_e4m3_to_f32_scaled(uint8_t b) { return f16_to_f32(uint16_t(((b & 0x7fu) << 7) | ((b & 0x80u) << 8))); }
 

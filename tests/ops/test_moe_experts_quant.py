@@ -103,6 +103,32 @@ def test_extreme_products_stay_exact(fmt, group):
     _check_isas(ISAS, x, ids, torch.ones(2, 1), q13, q2)
 
 
+@pytest.mark.parametrize("j0", [40, 41])
+def test_every_fp8_byte_reads_exactly(j0):
+    # Reads a column of w2 back through the op: x one-hot, w13 (fp8 1.0 and 0) makes h one-hot at
+    # row j0 (an even k of a packed pair, then an odd one), so y = w2[:, j0] * h exactly (a 4-bit
+    # weight times a bf16 h is exact in fp32, the scales are 1). Column j0 holds every byte that is
+    # not NaN, the subnormals and both zeros included, in both signs; each must read as its value.
+    H, I = 256, 128
+    one = torch.tensor(1.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    w13 = torch.zeros(1, 2 * I, H, dtype=torch.uint8)
+    w13[0, j0, 0] = w13[0, I + j0, 0] = one  # gate and up of row j0 read x[0]
+    bytes_ = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0x38, 0xB8], dtype=torch.uint8)
+    w2 = torch.zeros(1, H, I, dtype=torch.uint8)
+    w2[0, :, j0] = bytes_
+    blk = (128, 128)
+    q13 = quant.from_fp8(w13.view(torch.float8_e4m3fn), torch.ones(1, 2, 2), blk)
+    q2 = quant.from_fp8(w2.view(torch.float8_e4m3fn), torch.ones(1, 2, 1), blk)
+    x = torch.zeros(1, H)
+    x[0, 0] = 3.0
+    ids, w = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    values = bytes_.view(torch.float8_e4m3fn).float()
+    for isa in ISAS:
+        y = hmoe.CPUExperts(q13, q2, isa=isa)(x, ids, w)[0]
+        h = y[-2]  # the row of byte 0x38 (1.0)
+        assert h > 0 and torch.equal(y, values * h), isa
+
+
 def test_zero_weights_and_zero_activations():
     x, ids, w, q13, q2 = _problem(4, 64, 64, 2, 1, "int8", 32)
     q13 = quant.quantize(torch.zeros(2, 128, 64), "int8", group_size=32)

@@ -1,7 +1,7 @@
 // Tuning harness for the CPU experts op: run_moe of one ISA level on synthetic packed weights
 // (random quantised values with valid scales, or random bf16), timing each phase of the op
 // (moe_experts.cpp built with HMOE_PHASE_TIMING). See build.sh beside this file.
-//   experts_tune FORMAT(bf16|int8|int4) H I E K T [repeats] [MODE]
+//   experts_tune FORMAT(bf16|int8|int4|fp8) H I E K T [repeats] [MODE]
 // MODE says what precedes each timed call (medians printed): hot (nothing: back to back, the
 // default), evict (a read of 512 MiB, evicting the caches), idle (100 ms asleep), cold (both, as
 // the bench's cold calls), and idle-wake / cold-wake (the same, then the pool woken and 30 us of
@@ -40,7 +40,7 @@ const char* amx_permission() {
 
 int main(int argc, char** argv) {
   if (argc < 7) {
-    std::fprintf(stderr, "usage: %s bf16|int8|int4 H I E K T [repeats]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s bf16|int8|int4|fp8 H I E K T [repeats] [MODE]\n", argv[0]);
     return 2;
   }
   const std::string fmt_name = argv[1];
@@ -52,7 +52,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "AMX unusable: %s\n", why);
     return 1;
   }
-  const int32_t fmt = fmt_name == "int8" ? int32_t(kWInt8) : fmt_name == "int4" ? int32_t(kWInt4) : int32_t(kBF16);
+  const int32_t fmt = fmt_name == "int8"   ? int32_t(kWInt8)
+                      : fmt_name == "int4" ? int32_t(kWInt4)
+                      : fmt_name == "fp8"  ? int32_t(kWFp8)
+                                           : int32_t(kBF16);
   const bool per_row = fmt == kWInt8;
   const int64_t g13 = fmt == kBF16 ? 0 : per_row ? round_up(H, 128) : 128;
   const int64_t g2 = fmt == kBF16 ? 0 : per_row ? round_up(I, 128) : 128;
@@ -77,10 +80,14 @@ int main(int argc, char** argv) {
           } else {
             const int64_t g = m == 0 ? g13 : g2, bytes = fmt == kWInt4 ? kd / 2 : kd;
             std::vector<uint8_t> data(size_t(N * bytes));
-            for (auto& v : data) v = fmt == kWInt4 ? uint8_t(rng() % 256 & 0x77) : uint8_t(int(rng() % 255) - 127);
+            for (auto& v : data)
+              v = fmt == kWInt4  ? uint8_t(rng() % 256 & 0x77)
+                  : fmt == kWFp8 ? uint8_t(rng() % 256 & 0xbe)  // never NaN (0x7f, 0xff)
+                                 : uint8_t(int(rng() % 255) - 127);
             const int64_t ncols = per_row ? 1 : kd / g;
             std::vector<float> scales(size_t(N * ncols), 1e-3f);
-            const QuantMatrix qm{data.data(), kd, scales.data(), 1, per_row ? kd : g, ncols};
+            // fp8: DeepSeek's (128, 128) blocks (g = 128), one scale per 128 rows and 128 k
+            const QuantMatrix qm{data.data(), kd, scales.data(), fmt == kWFp8 ? 128 : 1, per_row ? kd : g, ncols};
             if (m == 0)
               pack_quant_w13(fmt, qm, I, g, dst);
             else

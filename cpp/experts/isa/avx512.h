@@ -30,8 +30,9 @@ inline V dot_pair(V acc, const APair& a, const BPair& b) {
 }
 
 inline BPair load_fp8_pair(const uint8_t* p) {
-  const __m512i h = fp8x32_to_f16_bits(p);  // words: k even, k odd, ... per lane
-  return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)))};
+  const __m512i h = fp8x32_to_bf16_bits(p);  // words: k even, k odd, ... per lane, as load_bpair's
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int(0xffff0000u))))};
 }
 
 // Integer dot products without VNNI: vpmaddubsw (unsigned x signed bytes -> saturating int16 pairs)

@@ -16,13 +16,7 @@ inline APair bcast_apair(const uint16_t* a) {
 // vdpbf16ps: acc += a.lo * b.lo + a.hi * b.hi per lane; bf16 products are exact in fp32.
 inline V dot_pair(V acc, APair a, BPair b) { return _mm512_dpbf16_ps(acc, a, b); }
 
-// fp16 patterns widened to fp32 and narrowed to bf16: exact, an e4m3 value having 4 significant bits.
-inline BPair load_fp8_pair(const uint8_t* p) {
-  const __m512i h = fp8x32_to_f16_bits(p);
-  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));        // words 0..15
-  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));  // words 16..31
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
+inline BPair load_fp8_pair(const uint8_t* p) { return (BPair)fp8x32_to_bf16_bits(p); }
 
 // vpdpbusd: unsigned weight bytes times signed activation bytes, four per lane, into int32.
 constexpr bool kDot4Centered = false;
