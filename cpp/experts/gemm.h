@@ -361,9 +361,10 @@ struct Micro<Format<kWInt8>> : IntMicro<Format<kWInt8>> {};
 template <>
 struct Micro<Format<kWInt4>> : IntMicro<Format<kWInt4>> {};
 
+// fp8: the bf16 tile of the ISA (the widening of a weight pair, isa::load_fp8_pair, is shared by kMR rows).
 template <>
 struct Micro<Format<kWFp8>> {
-  static constexpr int kMR = isa::kMR < 4 ? isa::kMR : 4;
+  static constexpr int kMR = isa::kMR;
   using Panel = ActRows<Act::kBF16>::Panel;
   static Panel offset(const Panel& a, int64_t rows) { return {a.p + rows * a.ld, a.ld}; }
   template <int MR, int NR>
