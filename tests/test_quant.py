@@ -95,6 +95,30 @@ def test_stacked_experts_and_zero_groups():
         assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("piece", [7 * 64, 3 * 128 * 40, 1 << 20])
+def test_pieces_give_the_same_bytes(monkeypatch, piece):
+    # quantize works through a stack in pieces of about quant._PIECE weights (whole matrices, or runs
+    # of rows: a multiple of fp8's block rows); whatever their size, the bytes and scales are those of
+    # one piece. Shapes with partial fp8 blocks (200 rows, 300 columns) and int8 per row.
+    w = _w(3, 200, 384, seed=9, dtype=torch.bfloat16)
+    whole = {(fmt, g): quant.quantize(w, fmt, group_size=g) for fmt, g in (("int8", None), ("int4", 32), ("fp8", None))}
+    whole["fp8", "narrow"] = quant.quantize(w[..., :300], "fp8", block=(64, 32))
+    monkeypatch.setattr(quant, "_PIECE", piece)
+    for (fmt, g), want in whole.items():
+        got = (quant.quantize(w[..., :300], "fp8", block=(64, 32)) if g == "narrow"
+               else quant.quantize(w, fmt, group_size=g))
+        assert got.data.shape == want.data.shape and got.scales.shape == want.scales.shape
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (fmt, g)
+        assert torch.equal(got.scales, want.scales), (fmt, g)
+    f8 = whole["fp8", None]
+    as4 = quant.from_fp8(f8.data, f8.scales, to="int4", group_size=64)
+    assert torch.equal(as4.data, quant.quantize(quant.dequantize(f8), "int4", group_size=64).data)
+    bad = w.clone()
+    bad[2, 199, 383] = float("inf")  # in the last piece
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        quant.quantize(bad, "int4", group_size=32)
+
+
 def test_pickle_round_trip():
     qw = quant.quantize(_w(5, 64), "int4", group_size=32)
     twin = pickle.loads(pickle.dumps(qw))

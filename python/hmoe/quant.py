@@ -12,7 +12,9 @@ scale and quotient computed in fp32):
         checkpoint format (weight_scale_inv): w = fp8 * scale.
 
 The scales are fp32; the dequantised weight is q * s in fp32. A group or block whose weights are all
-zero has scale 0. QuantizedWeights pickles (plain tensors and a version number).
+zero has scale 0. QuantizedWeights pickles (plain tensors and a version number). quantize works through
+a stack in pieces of about 16M weights, so that its fp32 temporaries stay a few hundred MB whatever the
+stack's size (a DeepSeek-V3 layer's 256 experts are 5.6G weights a matrix); the result is the same.
 
 hmoe.CPUExperts takes QuantizedWeights for w13 and w2 (the same format for both); its kernels work
 in k groups of `kernel_group` (the group size; for int8 per row the whole row, K rounded up to a
@@ -83,7 +85,7 @@ class QuantizedWeights:
                 f"{self.bits_per_weight:.2f} bits/weight)")
 
 
-def _check_float(w, what: str):
+def _check_float(w, what: str) -> None:
     import torch
 
     if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, torch.nn.Parameter):
@@ -92,7 +94,30 @@ def _check_float(w, what: str):
         raise TypeError(f"{what}: weights must be float32, float16 or bfloat16, got {w.dtype}")
     if w.dim() < 2 or w.shape[-1] == 0 or w.shape[-2] == 0:
         raise ValueError(f"{what}: expected weights [..., N, K] with N, K >= 1, got shape {tuple(w.shape)}")
-    wf = w.detach().float()
+
+
+_PIECE = 1 << 24  # weights quantised at a time (64 MB in fp32)
+
+
+def _pieces(L: int, N: int, K: int, rows_multiple: int):
+    """Slices (l0, l1, n0, n1) of weights viewed as [L, N, K], in order, each about _PIECE weights:
+    several whole matrices, or a run of rows of one (a multiple of rows_multiple rows, so that fp8's
+    blocks never straddle two pieces)."""
+    if N * K <= _PIECE:
+        step = max(1, _PIECE // (N * K))
+        for l0 in range(0, L, step):
+            yield l0, min(L, l0 + step), 0, N
+        return
+    rows = max(rows_multiple, _PIECE // K // rows_multiple * rows_multiple)
+    for l0 in range(L):
+        for n0 in range(0, N, rows):
+            yield l0, l0 + 1, n0, min(N, n0 + rows)
+
+
+def _finite_f32(piece, what: str):
+    import torch
+
+    wf = piece.float()
     if not torch.isfinite(wf).all():
         raise ValueError(f"{what}: the weights hold NaN or infinity; they cannot be quantised")
     return wf
@@ -138,28 +163,44 @@ def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128))
 
     if format not in FORMATS:
         raise ValueError(f"quantize: unknown format {format!r}; expected one of {FORMATS}")
-    wf = _check_float(w, "quantize")
-    N, K = wf.shape[-2:]
+    _check_float(w, "quantize")
+    *lead, N, K = w.shape
+    L = math.prod(lead)
+    w3 = w.detach().reshape(L, N, K)
     if format == "fp8":
         if group_size is not None:
             raise ValueError("quantize: fp8 is scaled per block (block=(rows, cols)), not per group")
         block = _check_block(block)
-        scales = _block_scales(wf, block, FP8_MAX)
-        full = _expand_blocks(scales, block, N, K)
-        q = torch.where(full > 0, wf / torch.where(full > 0, full, 1.0), 0.0).to(torch.float8_e4m3fn)
-        return QuantizedWeights("fp8", q, scales, wf.shape, block=block)
+        r, c = block
+        q = torch.empty((L, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty((L, -(-N // r), -(-K // c)), dtype=torch.float32, device=w.device)
+        for l0, l1, n0, n1 in _pieces(L, N, K, r):
+            wf = _finite_f32(w3[l0:l1, n0:n1], "quantize")
+            s = _block_scales(wf, block, FP8_MAX)
+            full = _expand_blocks(s, block, n1 - n0, K)
+            q[l0:l1, n0:n1] = torch.where(full > 0, wf / torch.where(full > 0, full, 1.0), 0.0).to(torch.float8_e4m3fn)
+            scales[l0:l1, n0 // r:n0 // r + s.shape[-2]] = s
+        return QuantizedWeights("fp8", q.reshape(w.shape), scales.reshape(*lead, *scales.shape[1:]), w.shape,
+                                block=block)
     g = _group(format, K, group_size)
     if format == "int4" and K % 2:
         raise ValueError(f"quantize: int4 needs an even K, got {K}")
-    qmax = _QMAX[format]
-    grouped = wf.reshape(*wf.shape[:-1], K // (g or K), g or K)
-    scales = grouped.abs().amax(dim=-1) / qmax  # [..., N, G]
-    safe = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
-    q = torch.round(grouped / safe).clamp_(-qmax, qmax).to(torch.int8).reshape(wf.shape)
-    if format == "int4":
-        u = (q & 0xF).to(torch.uint8)
-        q = u[..., 0::2] | (u[..., 1::2] << 4)
-    return QuantizedWeights(format, q, scales, wf.shape, group_size=g)
+    qmax, gk = _QMAX[format], g or K
+    q = torch.empty((L, N, K // 2 if format == "int4" else K), dtype=torch.uint8 if format == "int4" else torch.int8,
+                    device=w.device)
+    scales = torch.empty((L, N, K // gk), dtype=torch.float32, device=w.device)
+    for l0, l1, n0, n1 in _pieces(L, N, K, 1):
+        grouped = _finite_f32(w3[l0:l1, n0:n1], "quantize").reshape(l1 - l0, n1 - n0, K // gk, gk)
+        s = grouped.abs().amax(dim=-1) / qmax  # [l, n, G]
+        safe = torch.where(s > 0, s, 1.0).unsqueeze(-1)
+        qi = torch.round(grouped / safe).clamp_(-qmax, qmax).to(torch.int8).reshape(l1 - l0, n1 - n0, K)
+        if format == "int4":
+            u = (qi & 0xF).to(torch.uint8)
+            qi = u[..., 0::2] | (u[..., 1::2] << 4)
+        q[l0:l1, n0:n1] = qi
+        scales[l0:l1, n0:n1] = s
+    return QuantizedWeights(format, q.reshape(*lead, N, q.shape[-1]), scales.reshape(*lead, N, K // gk), w.shape,
+                            group_size=g)
 
 
 def _check_block(block):
@@ -224,4 +265,12 @@ def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
         return qw
     if to not in ("int8", "int4"):
         raise ValueError(f"from_fp8: to must be None, 'int8' or 'int4', got {to!r}")
-    return quantize(dequantize(qw), to, group_size=group_size)
+    # One matrix of the stack at a time: the fp32 weights never exist for the whole stack.
+    L = math.prod(w_fp8.shape[:-2])
+    mats = qw.data.reshape(L, N, K), qw.scales.reshape(L, *qw.scales.shape[-2:])
+    parts = [quantize(dequantize(QuantizedWeights("fp8", d, sc, (N, K), block=(r, c))), to, group_size=group_size)
+             for d, sc in zip(*mats)]
+    lead = w_fp8.shape[:-2]
+    data = torch.stack([p.data for p in parts]).reshape(*lead, *parts[0].data.shape)
+    scales = torch.stack([p.scales for p in parts]).reshape(*lead, *parts[0].scales.shape)
+    return QuantizedWeights(to, data, scales, w_fp8.shape, group_size=parts[0].group_size)
