@@ -197,7 +197,9 @@ class KtExperts:
                 self._infer = ext.CPUInfer(pool)
                 self._no_gpu_experts = torch.zeros(E, dtype=torch.bool)
                 cfg = ext.moe.MOEConfig(E, top_k, H, I, self._no_gpu_experts.data_ptr())
-                cfg.layer_idx, cfg.pool, cfg.max_len = 0, self._infer.backend_, max_tokens
+                # max_len is a capacity; kt's int8 on its AVX-512 builds takes it in multiples of 32
+                # rows (M_STEP), so 64 at a time (calls with up to max_tokens tokens are allowed).
+                cfg.layer_idx, cfg.pool, cfg.max_len = 0, self._infer.backend_, -(-max_tokens // 64) * 64
                 self._hand_over(cfg, mats, int4_group, torch)
                 self._moe = getattr(ext.moe, self.class_name)(cfg)
                 self._identity = torch.arange(E, dtype=torch.int64)  # physical expert i is logical i
