@@ -10,11 +10,7 @@
 #include <string>
 #include <system_error>
 
-#ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "common/spin.h"
 
 namespace hmoe {
 namespace {
@@ -24,14 +20,6 @@ namespace {
 // add a futex wake-up (tens of microseconds; hundreds on a virtual machine whose idle vCPUs halt)
 // to every phase of every call.
 constexpr auto kSpin = std::chrono::microseconds(50);
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 // Spins until done() or kSpin has passed; says which.
 template <typename Done>
@@ -43,27 +31,6 @@ bool spin_until(Done done) {
   }
   return true;
 }
-
-// Sleeps while *word == value (a spurious return is allowed), and wakes every such sleeper.
-#ifdef __linux__
-void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
-}
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-}
-#else
-std::mutex g_futex_mu;
-std::condition_variable g_futex_cv;
-void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
-  std::unique_lock<std::mutex> lk(g_futex_mu);
-  g_futex_cv.wait(lk, [&] { return word->load() != value; });
-}
-void futex_wake_all(std::atomic<uint32_t>*) {
-  std::lock_guard<std::mutex> lk(g_futex_mu);
-  g_futex_cv.notify_all();
-}
-#endif
 
 constexpr uint64_t kClosed = uint64_t(1) << 31;
 constexpr uint64_t kInside = kClosed - 1;

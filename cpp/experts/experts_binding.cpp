@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bind/module.h"
+#include "common/doorbell.h"
 #include "common/huge_pages.h"
 #include "common/thread_pool.h"
 #include "experts/experts_entry.h"
@@ -103,7 +104,8 @@ hb::TensorArg packed_arg(py::handle t, const char* name) {
 
 // A host job: the experts op over fixed buffers (pinned by the caller), run by whoever calls
 // run_job(job) with no Python and no GIL: a CUDA host function enqueued on a stream
-// (cudaLaunchHostFunc, also inside a captured CUDA graph). Nothing may throw out of run_job: an
+// (cudaLaunchHostFunc, also inside a captured CUDA graph), or the doorbell server when the job
+// listens (host_job_listen; common/doorbell.h). Nothing may throw out of run_job: an
 // error is kept for host_job_error and the output is filled with NaN, so that a failure is never
 // a plausible result. Each run's wall time is kept (the last kTimes, read by host_job_times): what
 // the experts cost inside a stream or a graph, where no Python timer can see them.
@@ -114,6 +116,7 @@ struct HostJob {
   std::string error;
   float times[kTimes];
   int64_t runs = 0;  // since the last host_job_times
+  bool listening = false;
 };
 
 void run_job(void* ctx) noexcept {
@@ -197,7 +200,24 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     j->runs = 0;
     return out;
   });
-  HMOE_DEF(m, host_job_free, { delete job_at(job); });
+  HMOE_DEF(m, host_job_free, {
+    HostJob* j = job_at(job);
+    if (j->listening) hmoe::Doorbells::instance().remove(j);
+    delete j;
+  });
+
+  // The job answers the doorbell at flags (int32, CPU, >= 32 words: ready = flags[0], done =
+  // flags[16], a cache line apart), which the caller keeps alive and in place until host_job_free.
+  HMOE_DEF(m, host_job_listen, {
+    HostJob* j = job_at(job);
+    const hb::TensorArg f = hb::tensor(flags, "flags", hb::dtypes({hmoe::kI32}), 1, hb::Where::kCpu);
+    if (f.numel < 32) hb::value_error("host_job_listen: flags must hold at least 32 int32 words");
+    if (j->listening) hb::value_error("host_job_listen: the job already listens");
+    auto* words = static_cast<std::atomic<uint32_t>*>(f.data);
+    hmoe::Doorbells::instance().add(&words[0], &words[16], &run_job, j);
+    j->listening = true;
+  });
+  m.def("host_job_wake", [] { hmoe::Doorbells::instance().wake(); });
 
   HMOE_DEF(m, packed_bytes, {
     hmoe::check_group(w_format, group13, "packed_bytes: w13");

@@ -30,6 +30,7 @@
 #define HMOE_ARGS_host_job_error (i64, job)
 #define HMOE_ARGS_host_job_free HMOE_ARGS_host_job_error
 #define HMOE_ARGS_host_job_times HMOE_ARGS_host_job_error
+#define HMOE_ARGS_host_job_listen (i64, job), (tensor, flags)
 #define HMOE_ARGS_pack_weights (tensor, w13), (tensor, w2), (i32, num_threads)
 #define HMOE_ARGS_pack_quantized                                                                                     \
   (tensor, w13_data), (tensor, w13_scales), (tensor, w2_data), (tensor, w2_scales), (i32, w_format), (i64, group13), \
@@ -73,6 +74,8 @@
   X(experts, experts, host_job_error, "str", HMOE_ARGS_host_job_error)                                         \
   X(experts, experts, host_job_times, "list of run times (us)", HMOE_ARGS_host_job_times)                      \
   X(experts, experts, host_job_free, "None", HMOE_ARGS_host_job_free)                                          \
+  X(experts, experts, host_job_listen, "None", HMOE_ARGS_host_job_listen)                                      \
+  X(experts, experts, host_job_wake, "None", HMOE_ARGS_NONE)                                                   \
   X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                         \
   X(experts, experts, pack_quantized, "(w13_packed, w2_packed)", HMOE_ARGS_pack_quantized)                     \
   X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)     \

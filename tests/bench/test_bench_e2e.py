@@ -29,6 +29,9 @@ def test_e2e_bench_rejects_bad_options():
     out = subprocess.run([sys.executable, "-m", "hmoe.bench", "e2e", "--batches", "0"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "--batches" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hmoe.bench", "e2e", "--handovers", "doorbell,pigeon"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--handovers must list some of doorbell, host_func" in out.stderr
     out = subprocess.run([sys.executable, "-m", "hmoe.bench", "e2e", "--preset", "huge", "--cpu-only"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "unknown preset 'huge'" in out.stderr

@@ -1,5 +1,6 @@
-"""HybridMoE with the model on a GPU: routed experts on the CPU through host functions on a side
-stream, shared experts and GPU-resident experts on the GPU, CUDA graph capture of decode steps."""
+"""HybridMoE with the model on a GPU: routed experts on the CPU handed over on a side stream (doorbells
+and host functions: hmoe/nn/_staging.py), shared experts and GPU-resident experts on the GPU, CUDA
+graph capture of decode steps."""
 import pytest
 import torch
 
@@ -49,9 +50,14 @@ def test_gpu_experts_on_the_gpu():
     assert _rel(got, want) <= 4 * _reference.unit_roundoff(torch.float32)
 
 
+HANDOVERS = ["doorbell", "host_func"]
+
+
+@pytest.mark.parametrize("handover", HANDOVERS)
 @pytest.mark.parametrize("kind", ["v3", "v2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
-def test_graph_replay_of_decode_steps_matches_eager(kind, dtype):
+def test_graph_replay_of_decode_steps_matches_eager(kind, dtype, handover, monkeypatch):
+    monkeypatch.setenv("HMOE_CPU_HANDOVER", handover)
     m = models.model(kind, dtype).cuda()
     hn.patch_model(m, progress=False)
     prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
@@ -72,7 +78,9 @@ def test_graph_replay_of_decode_steps_matches_eager(kind, dtype):
         assert torch.equal(got, want)
 
 
-def test_host_function_failure_is_nan_then_raised():
+@pytest.mark.parametrize("handover", HANDOVERS)
+def test_host_job_failure_is_nan_then_raised(handover, monkeypatch):
+    monkeypatch.setenv("HMOE_CPU_HANDOVER", handover)
     m = models.model("v3").cuda()
     block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
     x = torch.randn(4, 64, device="cuda")
@@ -81,9 +89,8 @@ def test_host_function_failure_is_nan_then_raised():
         torch.cuda.synchronize()
         job = next(iter(block._jobs.values()))
         bad = torch.full((4, block.top_k), 99, dtype=torch.int32, device="cuda")
-        out = torch.zeros_like(x)
         stream = torch.cuda.current_stream()
-        job.launch(x, bad, torch.ones(4, block.top_k, device="cuda"), out, stream)
+        out = job.launch(x, bad, torch.ones(4, block.top_k, device="cuda"), stream).clone()
         torch.cuda.synchronize()
     assert torch.isnan(out).all()
     with pytest.raises(RuntimeError, match="CPU experts failed in an earlier step.*topk_ids holds 99"):
@@ -98,3 +105,12 @@ def test_capture_without_warm_up_says_so():
     with pytest.raises(RuntimeError, match="run one eager step with the same batch before capturing"):
         with torch.no_grad(), torch.cuda.graph(g):
             block(x)
+
+
+def test_unknown_handover_is_refused(monkeypatch):
+    m = models.model("v3").cuda()
+    block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
+    monkeypatch.setenv("HMOE_CPU_HANDOVER", "telepathy")
+    with pytest.raises(ValueError, match="HMOE_CPU_HANDOVER must be one of doorbell, host_func"):
+        with torch.no_grad():
+            block(torch.randn(2, 64, device="cuda"))

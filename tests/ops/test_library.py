@@ -72,7 +72,7 @@ def _bad_calls():
     q, c, pe = e(1, 16, 512, dtype=torch.bfloat16), e(2, 64, 512, dtype=torch.bfloat16), e(1, 16, 64)
     mla = lambda qn, qp: (  # noqa: E731
         lambda: hmoe.ops.mla_decode(qn, qp, c, c, e(1, 2, dtype=i32), e(1, dtype=i32), sm_scale=0.1),
-        (library.mla_decode, (qn, qp, c, c, e(1, 2, dtype=i32), e(1, dtype=i32), 0.1, False, None)))
+        (library.mla_decode, (qn, qp, c, c, e(1, 2, dtype=i32), e(1, dtype=i32), 0.1, None)))
     return [
         ("topk-1d", *topk(e(3))),
         ("topk-int", *topk(e(3, 8, dtype=i32))),
@@ -227,10 +227,10 @@ def test_cuda_ops():
     kpe = torch.randn(P, page, 64, generator=g).bfloat16().cuda()
     pt = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32).cuda()
     lens = torch.tensor([100, 37], dtype=torch.int32).cuda()
-    for lse in (True, False):
-        a = (q, qpe, ckv, kpe, pt, lens, 0.07, lse, None)
-        torch.library.opcheck(library.mla_decode, a)
-        out, l = torch.ops.hmoe.mla_decode(*a)
-        ref = hmoe.ops.mla_decode(q, qpe, ckv, kpe, pt, lens, sm_scale=0.07, return_lse=lse)
-        assert torch.equal(out, ref[0] if lse else ref)
-        assert torch.equal(l, ref[1]) if lse else (l.shape == (0,) and l.dtype == torch.float32 and l.is_cuda)
+    a = (q, qpe, ckv, kpe, pt, lens, 0.07, None)
+    torch.library.opcheck(library.mla_decode, a)
+    torch.library.opcheck(library.mla_decode_lse, a)
+    out, (out_l, lse) = torch.ops.hmoe.mla_decode(*a), torch.ops.hmoe.mla_decode_lse(*a)
+    ref, ref_lse = hmoe.ops.mla_decode(q, qpe, ckv, kpe, pt, lens, sm_scale=0.07, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(out_l, ref) and torch.equal(lse, ref_lse)
+    assert lse.dtype == torch.float32 and lse.shape == (B, H)

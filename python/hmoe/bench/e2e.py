@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -28,6 +30,9 @@ def parse_args(argv, prog):
     p.add_argument("--baseline-steps", type=int, default=3, help="timed decode steps of the baseline (default 3)")
     p.add_argument("--no-baseline", action="store_true", help="leave transformers out")
     p.add_argument("--cpu-only", action="store_true", help="everything on the CPU (default: on the GPU if any)")
+    p.add_argument("--handovers", default="doorbell,host_func",
+                   help="hand-overs of the CPU experts timed in CUDA-graph steps, first = the one the goals use "
+                        "(HMOE_CPU_HANDOVER; default doorbell,host_func)")
     p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
     opts = p.parse_args(argv)
     try:
@@ -36,7 +41,26 @@ def parse_args(argv, prog):
         p.error(f"--batches must be comma-separated integers, got {opts.batches!r}")
     if not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prefill < 0 or opts.baseline_steps < 1:
         p.error("--batches, --steps and --baseline-steps must be positive, --prefill >= 0")
+    from hmoe.nn._staging import HANDOVERS
+
+    opts.handovers = [h for h in opts.handovers.split(",") if h]
+    if not opts.handovers or any(h not in HANDOVERS for h in opts.handovers):
+        p.error(f"--handovers must list some of {', '.join(HANDOVERS)}")
     return opts
+
+
+@contextlib.contextmanager
+def handover(name: str):
+    """HMOE_CPU_HANDOVER = name inside the block (hmoe/nn/_staging.py reads it at each launch)."""
+    old = os.environ.get("HMOE_CPU_HANDOVER")
+    os.environ["HMOE_CPU_HANDOVER"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["HMOE_CPU_HANDOVER"]
+        else:
+            os.environ["HMOE_CPU_HANDOVER"] = old
 
 
 def _sync(torch, device):
@@ -55,9 +79,10 @@ def _host_run_seconds(model) -> float:
 
 
 def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int) -> tuple[float, float]:
-    """(seconds per decode step, seconds of it the CPU experts ran inside host functions) for `batch`
+    """(seconds per decode step, seconds of it the CPU experts ran inside host jobs) for `batch`
     sequences after a PROMPT-token prefill (hmoe.nn.GraphDecoder: static cache; with capture, steps
-    replay one CUDA graph)."""
+    replay one CUDA graph). The host waits for the steps through GraphDecoder.synchronize (asleep: a
+    spinning wait takes a core from the CPU experts)."""
     import hmoe.nn as hn
 
     dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=PROMPT + steps + 4, capture=capture)
@@ -66,12 +91,12 @@ def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, voc
     nxt = dec.prefill(prompt).argmax(-1)
     for _ in range(2):  # eager warm-up, then the capture (and its first replay)
         nxt = dec.step(nxt).argmax(-1)
-    _sync(torch, device)
+    dec.synchronize()
     _host_run_seconds(model)
     t0 = time.perf_counter()
     for _ in range(steps):
         nxt = dec.step(nxt).argmax(-1)
-    _sync(torch, device)
+    dec.synchronize()
     return (time.perf_counter() - t0) / steps, _host_run_seconds(model) / steps
 
 
@@ -113,6 +138,11 @@ def cpu_experts_alone(torch, model, batch: int, repeats: int = 3) -> tuple[float
             experts(x, ids, w)
         best = min(best, time.perf_counter() - t0)
     return best, distinct / max(1, len(blocks))
+
+
+def graph_row(how: str, opts) -> str:
+    """The name of the CUDA-graph decode row with hand-over `how`."""
+    return "cuda graph" if how == opts.handovers[0] else f"cuda graph, {how}"
 
 
 def baseline(torch, opts, dtype, device, vocab: int) -> dict:
@@ -176,10 +206,13 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
             cpu_s, distinct = cpu_experts_alone(torch, model, batch)
             bound_s = moe_layers * distinct * expert_bytes / (read["gbps"] * 1e9)
             entry = {"cpu_experts_alone_s": cpu_s, "distinct_experts_per_layer": distinct, "bound_s": bound_s}
-            modes = [("eager", False)] + ([("cuda graph", True)] if device.type == "cuda" else [])
-            for name, capture in modes:
-                entry[name], entry[f"{name} cpu experts inside"] = decode_rate(torch, model, batch, opts.steps,
-                                                                               capture, device, vocab)
+            modes = [("eager", False, opts.handovers[0])]
+            if device.type == "cuda":
+                modes += [(graph_row(h, opts), True, h) for h in opts.handovers]
+            for name, capture, how in modes:
+                with handover(how):
+                    entry[name], entry[f"{name} cpu experts inside"] = decode_rate(torch, model, batch, opts.steps,
+                                                                                   capture, device, vocab)
             result["decode"][batch] = entry
         if opts.prefill:
             progress(f"prefill {opts.prefill} tokens")
@@ -199,26 +232,27 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
     elif base:
         print(f"baseline: {base['how']}")
     if device.type == "cuda":
-        print("cpu inside = the CPU experts' own run time inside the step (host functions); the rest of the step is "
-              "the GPU's serial work between layers and the hand-over to and from the host functions")
-    head = f"{'decode':<22}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}{'cpu inside':>12}"
+        print(f"hand-over of the CPU experts: {opts.handovers[0]} (HMOE_CPU_HANDOVER; the rows 'cuda graph, <name>' "
+              "use another); cpu inside = the CPU experts' own run time inside the step; the rest of the step is "
+              "the GPU's serial work between layers and the hand-over to and from the CPU")
+    head = f"{'decode':<30}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}{'cpu inside':>12}"
     print(head + "\n" + "-" * len(head))
     for batch, e in result["decode"].items():
         b_s = base.get("decode_s", {}).get(batch)
-        for name in ("cuda graph", "eager"):
+        for name in [graph_row(h, opts) for h in opts.handovers] + ["eager"]:
             if name in e:
                 s = e[name]
                 rows.append(name)
                 inside = e[f"{name} cpu experts inside"]
-                print(f"{f'hmoe {name}, B={batch}':<22}{batch / s:>10.2f}{s * 1e3:>10.2f}{100 * e['bound_s'] / s:>8.1f}%"
+                print(f"{f'hmoe {name}, B={batch}':<30}{batch / s:>10.2f}{s * 1e3:>10.2f}{100 * e['bound_s'] / s:>8.1f}%"
                       f"{(f'{b_s / s:.1f}x' if b_s else '-'):>9}{s / e['cpu_experts_alone_s']:>14.2f}x"
                       f"{(f'{inside * 1e3:.2f} ms' if inside else '-'):>12}")
-        print(f"{f'CPU experts alone B={batch}':<22}{batch / e['cpu_experts_alone_s']:>10.2f}"
+        print(f"{f'CPU experts alone B={batch}':<30}{batch / e['cpu_experts_alone_s']:>10.2f}"
               f"{e['cpu_experts_alone_s'] * 1e3:>10.2f}{100 * e['bound_s'] / e['cpu_experts_alone_s']:>8.1f}%")
-        print(f"{f'bound B={batch}':<22}{batch / e['bound_s']:>10.2f}{e['bound_s'] * 1e3:>10.2f}"
+        print(f"{f'bound B={batch}':<30}{batch / e['bound_s']:>10.2f}{e['bound_s'] * 1e3:>10.2f}"
               f"   ({e['distinct_experts_per_layer']:.1f} distinct experts per layer)")
         if b_s:
-            print(f"{f'baseline B={batch}':<22}{batch / b_s:>10.2f}{b_s * 1e3:>10.2f}")
+            print(f"{f'baseline B={batch}':<30}{batch / b_s:>10.2f}{b_s * 1e3:>10.2f}")
     if opts.prefill:
         s, b_s = result["prefill"]["hmoe_s"], base.get("prefill_s")
         print(f"\nprefill {opts.prefill} tokens: hmoe {opts.prefill / s:.0f} tok/s ({s * 1e3:.0f} ms)"

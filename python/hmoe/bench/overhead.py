@@ -88,7 +88,7 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     out.append(("torch.ops.hmoe.grouped_topk", device, "as grouped_topk",
                 lambda: library.grouped_topk(lg, 6, 8, 3, "sigmoid", bs, True, 2.5), sync, ("custom", "grouped_topk")))
     out.append(("torch.ops.hmoe.mla_decode", device, "as mla_decode",
-                lambda: library.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, False, None), sync,
+                lambda: library.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
                 ("custom", "mla_decode")))
     o = torch.empty_like(q_nope)
     out.append(("mla_decode(out=)", device, shape,

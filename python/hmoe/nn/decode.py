@@ -1,8 +1,11 @@
 """hmoe.nn.GraphDecoder: greedy decoding of a transformers causal LM with each decode step replayed
-from one CUDA graph (HybridMoE's CPU experts run inside it through host functions)."""
+from one CUDA graph (HybridMoE's CPU experts run inside it, handed over by doorbells or host
+functions: hmoe/nn/_staging.py)."""
 from __future__ import annotations
 
 import torch
+
+from . import _staging
 
 
 class GraphDecoder:
@@ -15,6 +18,10 @@ class GraphDecoder:
     with the current tokens, position and mask, all fed through static tensors. The attention mask
     is passed explicitly as a 4-d additive mask over the cache, so nothing in the step depends on
     data the host would have to read. generate() is greedy decoding on top of these.
+
+    synchronize() waits for the steps enqueued so far without spinning (a blocking-sync CUDA event):
+    a host thread spinning in torch.cuda.synchronize() takes a core from the CPU experts for the
+    whole wait. generate() ends with it.
     """
 
     def __init__(self, model, *, batch_size: int, max_cache_len: int, capture: bool = True):
@@ -31,6 +38,7 @@ class GraphDecoder:
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._mask = torch.zeros(self.batch, 1, 1, self.max_len, dtype=self.dtype, device=self.device)
         self._graph = self._logits = None
+        self._done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self._steps = 0
         self.length = 0
 
@@ -74,14 +82,22 @@ class GraphDecoder:
                     self._graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(self._graph):
                         self._logits = self._forward(self._ids, self._pos, self._mask)
+                _staging.wake()  # CPU experts on doorbells: their threads poll busily from now
                 self._graph.replay()
                 logits = self._logits
         self._steps += 1
         self.length += 1
         return logits
 
+    def synchronize(self) -> None:
+        """Returns when the GPU has run everything enqueued on the current stream; the thread sleeps
+        meanwhile instead of spinning (the CPU experts want every core)."""
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()
+
     def generate(self, input_ids, max_new_tokens: int):
-        """Greedy decoding: [B, L + max_new_tokens] token ids."""
+        """Greedy decoding: [B, L + max_new_tokens] token ids (computed when it returns)."""
         tokens = [input_ids.to(self.device)]
         nxt = self.prefill(input_ids).argmax(-1)
         for _ in range(max_new_tokens):
@@ -89,4 +105,6 @@ class GraphDecoder:
             if len(tokens) - 1 == max_new_tokens:
                 break
             nxt = self.step(nxt).argmax(-1)
-        return torch.cat(tokens, dim=1)
+        out = torch.cat(tokens, dim=1)
+        self.synchronize()
+        return out

@@ -212,13 +212,14 @@ class HybridMoE(torch.nn.Module):
         if side is None:
             side = self._side[x.device] = torch.cuda.Stream(x.device)
         job = self._job(x.shape[0], x.dtype, x.device)
-        routed = torch.empty_like(x)
         side.wait_stream(main)
-        job.launch(x, cpu_ids, cpu_w, routed, side)
+        routed = job.launch(x, cpu_ids, cpu_w, side)  # host memory seen by the GPU, until the job's next launch
         shared = None if self.shared_experts is None else self.shared_experts(hidden_states)
         gpu = None if self.gpu_w13 is None else self._gpu_routed(x, ids, weights)
         main.wait_stream(side)
-        return (routed if gpu is None else routed + gpu), shared
+        if gpu is not None:
+            return routed + gpu, shared
+        return (routed.clone() if shared is None else routed), shared  # the sum with shared reads it once
 
     def host_run_times(self) -> list[float]:
         """Wall times (us) of the CPU expert runs that host functions made on a CUDA stream (eager calls
@@ -236,8 +237,9 @@ class HybridMoE(torch.nn.Module):
                 raise RuntimeError(f"HybridMoE: first call with {tokens} tokens of {dtype} inside CUDA graph capture; "
                                    "run one eager step with the same batch before capturing (warm-up), so that its "
                                    "pinned buffers exist")
-            if len(self._jobs) >= 64:  # many prompt lengths: drop the eager buffers (waits for queued runs)
-                self._jobs.clear()
+            if len(self._jobs) >= 64:  # many prompt lengths: drop the eager buffers (waits for queued runs), but
+                # never a job a captured CUDA graph launches (its replays would find the buffers gone)
+                self._jobs = {k: j for k, j in self._jobs.items() if j.captured}
             job = self._jobs[key] = _staging.HostJob(self.experts, torch, tokens, self.top_k, dtype, device)
         return job
 

@@ -15,9 +15,10 @@ Importing this module registers, once (importing again, or importlib.reload, reu
       [T, H] in x.dtype (CPU kernel);
       cpu_experts_op(experts, x, topk_ids, topk_weights) calls it for a CPUExperts
   hmoe::mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table,
-                   Tensor seq_lens, float sm_scale, bool return_lse, str? variant) -> (Tensor, Tensor)
-      out [B, H, 512] in q's dtype and lse [B, H] fp32 when return_lse; without return_lse, lse is an
-      empty fp32 tensor of shape [0] (CUDA kernel)
+                   Tensor seq_lens, float sm_scale, str? variant) -> Tensor
+      out [B, H, 512] in q's dtype (CUDA kernel)
+  hmoe::mla_decode_lse(the same arguments) -> (Tensor, Tensor)
+      out as above and lse [B, H] fp32: hmoe.ops.mla_decode(..., return_lse=True) (CUDA kernel)
 
 Each kernel calls the eager op of hmoe.ops (same checks, same kernels, bit-identical results). Each op
 has a fake (meta) implementation that derives the outputs' shapes, dtypes and devices only: it loads no
@@ -178,30 +179,32 @@ def cpu_experts_op(experts, x, topk_ids, topk_weights):
                               experts._isa_request)
 
 
-_no_lse: dict = {}  # device -> the empty fp32 tensor returned as lse without return_lse (nothing to mutate)
+def _mla_decode_op(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, variant):
+    return _mla(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale=sm_scale, variant=variant)
 
 
-def _mla_decode_op(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, return_lse, variant):
-    r = _mla(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale=sm_scale, return_lse=return_lse,
-             variant=variant)
-    if return_lse:
-        return r
-    empty = _no_lse.get(q_nope.device)
-    if empty is None:
-        empty = _no_lse[q_nope.device] = torch.empty(0, dtype=torch.float32, device=q_nope.device)
-    return r, empty
+def _mla_decode_lse_op(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, variant):
+    return _mla(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale=sm_scale, return_lse=True,
+                variant=variant)
 
 
-def _mla_decode_fake(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, return_lse, variant):
+def _mla_decode_fake(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, variant):
     for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
         _check(t, name, 3, _HALVES, "CUDA")
     _check(page_table, "page_table", 2, (torch.int32,), "CUDA")
     _check(seq_lens, "seq_lens", 1, (torch.int32,), "CUDA")
-    B, H, D = q_nope.shape
-    return (q_nope.new_empty((B, H, D)), q_nope.new_empty((B, H) if return_lse else (0,), dtype=torch.float32))
+    return q_nope.new_empty(q_nope.shape)
 
 
-mla_decode = _define(
-    "mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table, "
-    "Tensor seq_lens, float sm_scale, bool return_lse, str? variant) -> (Tensor, Tensor)",
-    {"CUDA": _mla_decode_op}, _mla_decode_fake)
+def _mla_decode_lse_fake(*args):
+    out = _mla_decode_fake(*args)
+    return out, out.new_empty(out.shape[:2], dtype=torch.float32)
+
+
+# Two ops rather than one with return_lse: a second output and one more argument through the
+# dispatcher cost about a microsecond a call.
+_MLA_ARGS = ("(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table, Tensor seq_lens, "
+             "float sm_scale, str? variant)")
+mla_decode = _define("mla_decode" + _MLA_ARGS + " -> Tensor", {"CUDA": _mla_decode_op}, _mla_decode_fake)
+mla_decode_lse = _define("mla_decode_lse" + _MLA_ARGS + " -> (Tensor, Tensor)", {"CUDA": _mla_decode_lse_op},
+                         _mla_decode_lse_fake)
