@@ -60,8 +60,7 @@ void Doorbells::add(std::atomic<uint32_t>* ready, std::atomic<uint32_t>* done, F
 void Doorbells::remove(void* ctx) {
   std::unique_lock<std::mutex> lk(mu_);
   ran_.wait(lk, [&] { return running_ != ctx; });
-  bells_.erase(std::remove_if(bells_.begin(), bells_.end(), [&](const Bell& b) { return b.ctx == ctx; }),
-               bells_.end());
+  bells_.erase(std::remove_if(bells_.begin(), bells_.end(), [&](const Bell& b) { return b.ctx == ctx; }), bells_.end());
 }
 
 // The seq_cst pair (woken_ here, sleeping_ in serve) makes sure that a server about to sleep either

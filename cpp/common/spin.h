@@ -31,8 +31,8 @@ inline void cpu_relax() {
 inline void futex_wait(std::atomic<uint32_t>* word, uint32_t value,
                        std::chrono::microseconds timeout = std::chrono::microseconds(0)) {
   timespec ts{time_t(timeout.count() / 1000000), long(timeout.count() % 1000000) * 1000};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value,
-          timeout.count() > 0 ? &ts : nullptr, nullptr, 0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, timeout.count() > 0 ? &ts : nullptr,
+          nullptr, 0);
 }
 // Wakes every sleeper on word.
 inline void futex_wake_all(std::atomic<uint32_t>* word) {

@@ -43,6 +43,21 @@ def profile_top(fn, calls: int, top: int) -> str:
     return buf.getvalue()
 
 
+_noop_lib = None
+
+
+def _noop_op(torch, name: str, args: str):
+    """An op in the namespace hmoe_bench with `args` (a schema's argument list) whose CUDA kernel returns its
+    first argument: what torch's dispatcher costs a Python kernel of that schema, nothing else."""
+    global _noop_lib
+    if _noop_lib is None:
+        _noop_lib = torch.library.Library("hmoe_bench", "DEF")
+    if not hasattr(torch.ops.hmoe_bench, name):
+        _noop_lib.define(f"{name}{args} -> Tensor")
+        _noop_lib.impl(name, lambda first, *rest: first, "CUDA")
+    return getattr(torch.ops.hmoe_bench, name).default
+
+
 def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     """(name, device, shape text, fn, sync, goal) for every op measured."""
     g = torch.Generator().manual_seed(0)
@@ -90,6 +105,10 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     out.append(("torch.ops.hmoe.mla_decode", device, "as mla_decode",
                 lambda: library.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
                 ("custom", "mla_decode")))
+    noop = _noop_op(torch, "mla_decode", library._MLA_ARGS)
+    out.append(("torch dispatcher, no-op kernel", device, "a Python kernel that returns q_nope, mla_decode's schema: "
+                "the floor of any torch.ops path", lambda: noop(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
+                None))
     o = torch.empty_like(q_nope)
     out.append(("mla_decode(out=)", device, shape,
                 lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07, out=o), sync, "fi"))
