@@ -109,12 +109,14 @@ void tiles_bf16(int64_t rows, const TileA& A, const void* const* B, int nb, cons
 
 // int8 / int4: per group, the tiles' exact int32 products are scaled into a 32 x 32 fp32 tile in
 // L1 (C[i][c] += float(dot - kOffset * sum_a) * (scale_a * scale_w), the register kernels' order);
-// int4 chunks are first unpacked to the int8 layout, once per pass over the rows. A: the tile order
-// of the int8 rows (kw = kstep), As: their scales and sums.
+// int4 chunks are first unpacked to the int8 layout as signed bytes q (tdpbssd: dot is then the
+// product with q itself, the same integer, and the per-group epilogue has no offset term), once per
+// pass over the rows. A: the tile order of the int8 rows (kw = kstep), As: their scales and sums.
 template <class Fmt, class T = isa::Tiles>
 void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As, const void* const* B, int nb,
                const PackedK& K, float* C, int64_t ldc) {
   if constexpr (T::kAvailable) {
+    constexpr bool kSigned = Fmt::kBits == 4;  // unpacked to signed bytes
     const int64_t group = K.group, chunk = Fmt::chunk_bytes(group), wbytes = kBlockN * group;
     const int kstep = int(A.kw);
     const int64_t gc = std::max<int64_t>(1, kTileChunkBytes / 32 / group);  // groups per chunk
@@ -137,8 +139,8 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
             for (int64_t g = 0; g < gn; ++g)
               for (int64_t r = 0; r < group / 8; ++r) {
                 const isa::VB v = isa::load_vb(src[h] + (g0 + g) * chunk + r * 64);
-                isa::store_vb(dst + g * wbytes + 128 * r, isa::nib_lo(v));
-                isa::store_vb(dst + g * wbytes + 128 * r + 64, isa::nib_hi(v));
+                isa::store_vb(dst + g * wbytes + 128 * r, T::s4_lo(v));
+                isa::store_vb(dst + g * wbytes + 128 * r + 64, T::s4_hi(v));
               }
             w[h] = dst;
           }
@@ -154,14 +156,15 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
             const int64_t gg = g0 + g;
             const int8_t* a0 = reinterpret_cast<const int8_t*>(A.at(r, gg * group));
             const int8_t* a1 = reinterpret_cast<const int8_t*>(A.at(r + 16, gg * group));
-            T::mma_i8_2x2(a0, a1, kstep, 16 * kstep, w[0] + g * wstride, w[1] + g * wstride, group, kstep, acc, 32);
+            T::template mma_i8_2x2<kSigned>(a0, a1, kstep, 16 * kstep, w[0] + g * wstride, w[1] + g * wstride, group,
+                                             kstep, acc, 32);
             for (int h = 0; h < 2; ++h) {
               const V sw = isa::vload(reinterpret_cast<const float*>(src[h] + gg * chunk + chunk - kBlockN * 4));
               for (int i = 0; i < 32; ++i) {
                 const int64_t ig = (r + i) * As.ldg + gg;
                 const V s = isa::vmul(isa::vbcast(As.scale[ig]), sw);
-                const isa::VI d =
-                    isa::vi_sub(isa::load_vi(acc + i * 32 + h * 16), isa::vi_bcast(Fmt::kOffset * As.sum[ig]));
+                isa::VI d = isa::load_vi(acc + i * 32 + h * 16);
+                if constexpr (!kSigned) d = isa::vi_sub(d, isa::vi_bcast(Fmt::kOffset * As.sum[ig]));
                 float* t = tile + i * 32 + h * 16;
                 isa::vstore(t, isa::vfma(isa::vi_to_v(d), s, isa::vload(t)));
               }

@@ -57,6 +57,11 @@ struct Tiles {
   }
   static void end() { _tile_release(); }
 
+  // The low / high nibbles of 64 bytes of the int4 layout (stored q + 8) as signed bytes q, the
+  // layout mma_i8_2x2<true> takes: its products need no offset correction.
+  static VB s4_lo(VB w) { return _mm512_sub_epi8(nib_lo(w), _mm512_set1_epi8(8)); }
+  static VB s4_hi(VB w) { return _mm512_sub_epi8(nib_hi(w), _mm512_set1_epi8(8)); }
+
   // C[32][32] (fp32, row stride ldc) = A[32 rows, kpad] x blocks (B0, B1), plus C itself when
   // `accumulate`; kpad a multiple of 32. A (bf16): the tile of rows 0-15 of the t-th 32-k step at
   // A0 + t * astep, rows 16-31 at A1 + t * astep, lda elements between a tile's rows; B0/B1 are
@@ -91,9 +96,10 @@ struct Tiles {
   }
 
   // C[32][32] (int32, row stride ldc) = A[32 rows, group] (int8) x the weights of two group chunks
-  // of the int8 layout (B0/B1: [group / 4][16][4] unsigned bytes), kstep k a step (begin_i8(kstep)
-  // first; A's tiles of the t-th step at A0 / A1 + t * astep, lda bytes between rows): tdpbsud,
-  // signed activations times unsigned weights, exact.
+  // of the int8 layout (B0/B1: [group / 4][16][4] bytes, unsigned, or signed with kSignedB), kstep k
+  // a step (begin_i8(kstep) first; A's tiles of the t-th step at A0 / A1 + t * astep, lda bytes
+  // between rows): tdpbsud (signed activations times unsigned weights) or tdpbssd, exact.
+  template <bool kSignedB = false>
   static void mma_i8_2x2(const int8_t* A0, const int8_t* A1, int64_t lda, int64_t astep, const uint8_t* B0,
                          const uint8_t* B1, int64_t group, int kstep, int32_t* C, int64_t ldc) {
     _tile_zero(0);
@@ -105,10 +111,17 @@ struct Tiles {
       _tile_loadd(5, A1 + t, lda);
       _tile_loadd(6, B0 + k * 16, 64);
       _tile_loadd(7, B1 + k * 16, 64);
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbsud(1, 4, 7);
-      _tile_dpbsud(2, 5, 6);
-      _tile_dpbsud(3, 5, 7);
+      if constexpr (kSignedB) {
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      } else {
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        _tile_dpbsud(2, 5, 6);
+        _tile_dpbsud(3, 5, 7);
+      }
     }
     _tile_stored(0, C, ldc * 4);
     _tile_stored(1, C + 16, ldc * 4);

@@ -30,9 +30,10 @@
 //                 kMinRows (experts with fewer rows use the register kernels), begin() / end()
 //                 around a thread's bf16 tile work, begin_i8(kstep) around its int8 tile work,
 //                 ensure_permission() ("" once usable, else why not), mma_2x2 (C[32][32] =
-//                 A[32, kpad] x two bf16 blocks, fp32, optionally added to C) and mma_i8_2x2 (C[32][32] int32 =
-//                 A[32, group] int8 x two int8 group chunks of unsigned bytes, kstep k a step); A comes
-//                 as two 16-row tiles per k step, astep apart (panel.h's tile order)
+//                 A[32, kpad] x two bf16 blocks, fp32, optionally added to C), mma_i8_2x2 (C[32][32] int32 =
+//                 A[32, group] int8 x two int8 group chunks of unsigned bytes, or signed ones with
+//                 <true>, kstep k a step; A comes as two 16-row tiles per k step, astep apart: panel.h's
+//                 tile order) and s4_lo / s4_hi (int4 bytes' nibbles as signed bytes q)
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -78,6 +79,13 @@ constexpr bool TilesContract() {
                                                         any<int64_t>(), any<const uint8_t*>(), any<const uint8_t*>(),
                                                         any<int64_t>(), any<int>(), any<int32_t*>(), any<int64_t>()))>,
                   "Tiles::mma_i8_2x2(A0, A1, lda, astep, B0, B1, group, kstep, C, ldc)");
+    static_assert(
+        std::is_void_v<decltype(T::template mma_i8_2x2<true>(
+            any<const int8_t*>(), any<const int8_t*>(), any<int64_t>(), any<int64_t>(), any<const uint8_t*>(),
+            any<const uint8_t*>(), any<int64_t>(), any<int>(), any<int32_t*>(), any<int64_t>()))>,
+        "Tiles::mma_i8_2x2<signed weights>");
+    static_assert(std::is_same_v<decltype(T::s4_lo(any<VB>())), VB> && std::is_same_v<decltype(T::s4_hi(any<VB>())), VB>,
+                  "Tiles::s4_lo, s4_hi");
   } else {
     static_assert(std::is_same_v<T, NoTiles>, "an ISA without a matrix unit uses NoTiles");
   }
