@@ -114,3 +114,14 @@ def test_unknown_handover_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="HMOE_CPU_HANDOVER must be one of doorbell, host_func"):
         with torch.no_grad():
             block(torch.randn(2, 64, device="cuda"))
+
+
+@pytest.mark.parametrize("handover", HANDOVERS)
+def test_an_empty_batch_on_the_gpu(handover, monkeypatch):
+    monkeypatch.setenv("HMOE_CPU_HANDOVER", handover)
+    m = models.model("v3").cuda()
+    block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
+    with torch.no_grad():
+        y = block(torch.randn(0, 64, device="cuda"))
+        torch.cuda.synchronize()
+    assert y.shape == (0, 64) and y.is_cuda

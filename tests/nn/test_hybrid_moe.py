@@ -332,3 +332,12 @@ def test_fuse_norms_false_keeps_the_models_norms():
     report = hn.patch_model(m, fuse_norms=False, progress=False)
     assert report.norms == 0 and "RMSNorms" not in str(report)
     assert [n for n, mod in m.named_modules() if type(mod).__name__.endswith("RMSNorm")] == before
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    m = models.model("v3")
+    block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])
+    for shape in ((0, 64), (2, 0, 64)):
+        with torch.no_grad():
+            y = block(torch.randn(*shape))
+        assert y.shape == shape and y.dtype == torch.float32

@@ -11,7 +11,7 @@ of the current step.
 Two hand-overs (HMOE_CPU_HANDOVER, read at each launch):
   doorbell (default): the stream writes a ready word in mapped pinned memory (cuStreamWriteValue32),
       the experts module's doorbell thread, polling it, runs the job and writes a done word, which
-      the stream waits for (cuStreamWaitValue32) before copying the result (cpp/common/doorbell.h);
+      the stream waits for (cuStreamWaitValue32) before the result is read (cpp/common/doorbell.h);
   host_func: a host function (cudaLaunchHostFunc) runs the job on the driver's callback thread, at
       the cost of two thread wake-ups per call.
 

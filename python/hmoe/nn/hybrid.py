@@ -213,6 +213,8 @@ class HybridMoE(torch.nn.Module):
 
     def _forward_cuda(self, x, hidden_states, ids, weights, cpu_ids, cpu_w):
         self.check()
+        if x.shape[0] == 0:  # nothing to hand over (an empty batch)
+            return torch.zeros_like(x), None if self.shared_experts is None else self.shared_experts(hidden_states)
         main = torch.cuda.current_stream(x.device)
         side = self._side.get(x.device)
         if side is None:
