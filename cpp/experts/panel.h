@@ -157,7 +157,7 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
             const int8_t* a0 = reinterpret_cast<const int8_t*>(A.at(r, gg * group));
             const int8_t* a1 = reinterpret_cast<const int8_t*>(A.at(r + 16, gg * group));
             T::template mma_i8_2x2<kSigned>(a0, a1, kstep, 16 * kstep, w[0] + g * wstride, w[1] + g * wstride, group,
-                                             kstep, acc, 32);
+                                            kstep, acc, 32);
             for (int h = 0; h < 2; ++h) {
               const V sw = isa::vload(reinterpret_cast<const float*>(src[h] + gg * chunk + chunk - kBlockN * 4));
               for (int i = 0; i < 32; ++i) {

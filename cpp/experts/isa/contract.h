@@ -79,13 +79,13 @@ constexpr bool TilesContract() {
                                                         any<int64_t>(), any<const uint8_t*>(), any<const uint8_t*>(),
                                                         any<int64_t>(), any<int>(), any<int32_t*>(), any<int64_t>()))>,
                   "Tiles::mma_i8_2x2(A0, A1, lda, astep, B0, B1, group, kstep, C, ldc)");
+    static_assert(std::is_void_v<decltype(T::template mma_i8_2x2<true>(
+                      any<const int8_t*>(), any<const int8_t*>(), any<int64_t>(), any<int64_t>(), any<const uint8_t*>(),
+                      any<const uint8_t*>(), any<int64_t>(), any<int>(), any<int32_t*>(), any<int64_t>()))>,
+                  "Tiles::mma_i8_2x2<signed weights>");
     static_assert(
-        std::is_void_v<decltype(T::template mma_i8_2x2<true>(
-            any<const int8_t*>(), any<const int8_t*>(), any<int64_t>(), any<int64_t>(), any<const uint8_t*>(),
-            any<const uint8_t*>(), any<int64_t>(), any<int>(), any<int32_t*>(), any<int64_t>()))>,
-        "Tiles::mma_i8_2x2<signed weights>");
-    static_assert(std::is_same_v<decltype(T::s4_lo(any<VB>())), VB> && std::is_same_v<decltype(T::s4_hi(any<VB>())), VB>,
-                  "Tiles::s4_lo, s4_hi");
+        std::is_same_v<decltype(T::s4_lo(any<VB>())), VB> && std::is_same_v<decltype(T::s4_hi(any<VB>())), VB>,
+        "Tiles::s4_lo, s4_hi");
   } else {
     static_assert(std::is_same_v<T, NoTiles>, "an ISA without a matrix unit uses NoTiles");
   }
