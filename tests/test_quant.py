@@ -157,5 +157,12 @@ def test_errors():
         quant.from_fp8(w, torch.ones(1, 1))
     with pytest.raises(ValueError, match="to must be None"):
         quant.from_fp8(f8, torch.ones(1, 1), to="fp4")
+    for nan in (0x7F, 0xFF):  # both signs of e4m3fn's NaN, found piece by piece in a stack
+        stack = torch.zeros(3, 4, 128, dtype=torch.float8_e4m3fn)
+        stack.view(torch.uint8)[2, 3, 127] = nan
+        with pytest.raises(ValueError, match="w_fp8 holds NaN"):
+            quant.from_fp8(stack, torch.ones(3, 1, 1))
+    edge = torch.tensor([448.0, -448.0, 0.0, -0.0]).to(torch.float8_e4m3fn).view(1, 4).expand(4, 4).contiguous()
+    assert quant.from_fp8(edge, torch.ones(1, 1)).format == "fp8"  # the largest finite bytes 0x7E/0xFE are not NaN
     with pytest.raises(TypeError, match="expected QuantizedWeights"):
         quant.dequantize(w)
