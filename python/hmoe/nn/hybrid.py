@@ -13,6 +13,11 @@ from .experts import CPUExperts
 _SCORINGS = ("softmax", "sigmoid")
 
 
+# torch.mm(..., out_dtype=) (16-bit inputs, fp32 output; CUDA) where this torch has it (aten::mm.dtype);
+# an older torch (hmoe supports 2.3 on) keeps the fp32 matmul.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 class HybridMoE(torch.nn.Module):
     """HybridMoE(gate_weight, w13, w2, *, top_k, ...)(hidden_states) -> tensor of hidden_states' shape and dtype.
 
@@ -134,7 +139,7 @@ class HybridMoE(torch.nn.Module):
         sums of exact products: x and the router weight in fp32, or, on a GPU with both in the same 16-bit
         dtype, a 16-bit matmul that accumulates and writes fp32 (one kernel instead of a cast and two)."""
         w = self.gate_weight
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+        if _MM_OUT_DTYPE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
             logits = torch.mm(x, w.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x.float(), self._gate_fp32())
