@@ -72,7 +72,7 @@ PROMPT = 16
 
 
 def _host_run_seconds(model) -> float:
-    """Seconds of CPU expert runs made by host functions since the last call, over every HybridMoE."""
+    """Seconds of CPU expert runs handed over on a CUDA stream since the last call, over every HybridMoE."""
     import hmoe.nn as hn
 
     return 1e-6 * sum(sum(b.host_run_times()) for b in model.modules() if isinstance(b, hn.HybridMoE))

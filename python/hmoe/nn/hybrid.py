@@ -33,12 +33,13 @@ class HybridMoE(torch.nn.Module):
     V2, "sigmoid" for V3), e_score_correction_bias (V3), renormalize (V3's norm_topk_prob),
     routed_scaling_factor. Building one from a transformers block: HybridMoE.from_hf.
 
-    On a GPU the CPU work is enqueued on a side stream (copies into pinned buffers, a host function
-    that runs the experts, the copy back) while the shared experts and GPU-resident experts run on
-    the current stream, so the two overlap; the same sequence can be captured in a CUDA graph after
-    one eager call with the same number of tokens (replay runs the experts on the CPU with the
-    routing of the step being replayed). A failure inside a host function (it cannot raise) leaves
-    NaN in that step's output and is raised by the next forward or by check().
+    On a GPU the CPU work is enqueued on a side stream (a gather into mapped pinned memory, the
+    hand-over to the experts: a doorbell, or a host function with HMOE_CPU_HANDOVER=host_func; see
+    hmoe/nn/_staging.py) while the shared experts and GPU-resident experts run on the current
+    stream, so the two overlap, and the result is read from mapped pinned memory; the same sequence
+    can be captured in a CUDA graph after one eager call with the same number of tokens (replay runs
+    the experts on the CPU with the routing of the step being replayed). A failed run (it cannot
+    raise) leaves NaN in that step's output and is raised by the next forward or by check().
 
     gpu_experts: expert ids to keep on the hidden states' device (computed there with torch, in
     the input's dtype), or a count n: the n experts most often routed to according to
@@ -236,7 +237,7 @@ class HybridMoE(torch.nn.Module):
         return (routed.clone() if shared is None else routed), shared  # the sum with shared reads it once
 
     def host_run_times(self) -> list[float]:
-        """Wall times (us) of the CPU expert runs that host functions made on a CUDA stream (eager calls
+        """Wall times (us) of the CPU expert runs handed over on a CUDA stream (eager calls
         and graph replays) since the last call, oldest first: what the experts cost inside a step,
         where no Python timer sees them."""
         return [t for job in self._jobs.values() for t in job.times()]
