@@ -1,14 +1,13 @@
 // Doorbells: see doorbell.h.
 #include "common/doorbell.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 
+#include "common/process_singleton.h"
 #include "common/spin.h"
 
 namespace hmoe {
@@ -24,21 +23,10 @@ constexpr auto kBusy = std::chrono::milliseconds(2);
 constexpr auto kIdleMin = microseconds(50);
 constexpr auto kIdleMax = microseconds(1000);
 
-// Never destroyed (the server thread polls until the process exits); a forked child forgets it.
-std::atomic<Doorbells*> g_bells{nullptr};
-void forget_bells_in_child() { g_bells.store(nullptr, std::memory_order_relaxed); }
-
 }  // namespace
 
 Doorbells& Doorbells::instance() {
-  Doorbells* bells = g_bells.load(std::memory_order_acquire);
-  if (bells != nullptr) return *bells;
-  static std::once_flag registered;
-  std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, forget_bells_in_child); });
-  Doorbells* fresh = new Doorbells();
-  if (g_bells.compare_exchange_strong(bells, fresh, std::memory_order_acq_rel)) return *fresh;
-  delete fresh;
-  return *bells;
+  return ProcessSingleton<Doorbells>::get([] { return new Doorbells(); });
 }
 
 void Doorbells::add(std::atomic<uint32_t>* ready, std::atomic<uint32_t>* done, Fn fn, void* ctx) {

@@ -1,8 +1,6 @@
 // ThreadPool: dynamic task hand-out over persistent workers; see thread_pool.h.
 #include "common/thread_pool.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -10,6 +8,7 @@
 #include <string>
 #include <system_error>
 
+#include "common/process_singleton.h"
 #include "common/spin.h"
 
 namespace hmoe {
@@ -36,27 +35,10 @@ constexpr uint64_t kClosed = uint64_t(1) << 31;
 constexpr uint64_t kInside = kClosed - 1;
 uint64_t gate_of(uint64_t job) { return (job & 0xffffffffu) << 32; }
 
-// The process's pool. It is never destroyed: at exit its workers sleep on their futex word
-// and die with the process (joining them from a static destructor would race with interpreter
-// shutdown), and after fork() the child only forgets it (see instance()).
-std::atomic<ThreadPool*> g_pool{nullptr};
-
-// Runs in the child after fork(), where only the forking thread exists: no locks can be taken
-// (a parent thread may have held them), so the parent's pool is simply leaked.
-void forget_pool_in_child() { g_pool.store(nullptr, std::memory_order_relaxed); }
-
 }  // namespace
 
 ThreadPool& ThreadPool::instance() {
-  ThreadPool* pool = g_pool.load(std::memory_order_acquire);
-  if (pool != nullptr) return *pool;
-  static std::once_flag registered;  // never taken again after the first call: fork-safe
-  std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, forget_pool_in_child); });
-  // Two threads may get here at once: one pool wins, the other is deleted (it has no workers yet).
-  ThreadPool* fresh = new ThreadPool();
-  if (g_pool.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
-  delete fresh;
-  return *pool;
+  return ProcessSingleton<ThreadPool>::get([] { return new ThreadPool(); });
 }
 
 void ThreadPool::ensure_workers(int n) {
