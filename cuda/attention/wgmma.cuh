@@ -30,6 +30,11 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
          uint64_t((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t(1) << 62;
 }
 __device__ __forceinline__ uint64_t k_major(uint32_t addr) { return smem_desc(addr, 16, 1024); }
+// K-major with the 64-byte swizzle: 32 16-bit columns a row, rows 64 bytes apart, each 16-byte chunk
+// XOR-ed with bits 1-2 of the row (swizzled64), 8-row groups 512 bytes apart; 512-byte aligned.
+__device__ __forceinline__ uint64_t k_major64(uint32_t addr) {
+  return (smem_desc(addr, 16, 512) & ~(uint64_t(3) << 62)) | uint64_t(2) << 62;
+}
 // The descriptor of addr + bytes from that of addr: the start address field (16-byte units) does
 // not carry out of its 14 bits below 256 KB of shared memory. One add, where a descriptor built
 // from scratch is a chain of four operations before every wgmma.
@@ -41,6 +46,10 @@ __device__ __forceinline__ uint64_t n_major(uint32_t addr, uint32_t block_bytes)
 // Byte offset of 16-bit element (row, col) of a 64-column block in the 128-byte swizzle.
 __device__ __forceinline__ uint32_t swizzled(int row, int col) {
   return row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2;
+}
+// The same for a 32-column block in the 64-byte swizzle (k_major64).
+__device__ __forceinline__ uint32_t swizzled64(int row, int col) {
+  return row * 64 + ((((col >> 3) ^ (row >> 1)) & 3) << 4) + (col & 7) * 2;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -74,6 +83,8 @@ __device__ __forceinline__ void fence_regs(float* d) {
 #define HMOE_D32(i) HMOE_D16(i), HMOE_D16((i) + 16)
 #define HMOE_D64(i) HMOE_D32(i), HMOE_D32((i) + 32)
 #define HMOE_D128 HMOE_D64(0), HMOE_D64(64)
+#define HMOE_W4(i) "=f"(d[i]), "=f"(d[(i) + 1]), "=f"(d[(i) + 2]), "=f"(d[(i) + 3])
+#define HMOE_W16(i) HMOE_W4(i), HMOE_W4((i) + 4), HMOE_W4((i) + 8), HMOE_W4((i) + 12)
 
 // d (fp32) += A B for 16-bit inputs, both from shared memory (descriptors a, b); scale_d = 0:
 // d = A B. SHAPE is the PTX shape, ACC/OUTS its accumulators, AB the operand numbers of a and b,
@@ -86,6 +97,17 @@ __device__ __forceinline__ void fence_regs(float* d) {
                  ";\n}\n"                                                                                            \
                  : OUTS                                                                                              \
                  : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                      \
+  }
+// d = A B (scale_d 0), d written only: the compiler need not keep d's old values (nor move them
+// into place) for it, which matters where another wgmma is in flight: ptxas serialises every
+// wgmma (C7515) when other instructions define accumulator registers inside a pipeline stage.
+#define HMOE_WGMMA_SS0(FN, SHAPE, PTX, ACC, OUTS, AB, TRANS)                                                         \
+  __device__ __forceinline__ static void FN(float* d, uint64_t a, uint64_t b) {                                      \
+    asm volatile(                                                                                                    \
+        "{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n"                                                                 \
+        "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX "." PTX " {" ACC "}, " AB ", p, 1, 1, 0, %" TRANS ";\n}\n" \
+        : OUTS                                                                                                       \
+        : "l"(a), "l"(b), "n"(TRANS_B));                                                                             \
   }
 // The same with A from registers (a[0..3]: this thread's part of the 64 x 16 A tile, the layout of
 // an m16n8k16 mma.sync A fragment per warp); B from shared memory.
@@ -105,6 +127,8 @@ template <int TRANS_B>
 struct Wgmma64x32 {  // d: 16 registers
   HMOE_WGMMA_SS(bf16, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_D16(0), "%16, %17", "18", "19")
   HMOE_WGMMA_SS(f16, "m64n32k16", "f16", HMOE_ACC_0, HMOE_D16(0), "%16, %17", "18", "19")
+  HMOE_WGMMA_SS0(bf16_set, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_W16(0), "%16, %17", "18")
+  HMOE_WGMMA_SS0(f16_set, "m64n32k16", "f16", HMOE_ACC_0, HMOE_W16(0), "%16, %17", "18")
 };
 template <int TRANS_B>
 struct Wgmma64x128 {  // d: 64 registers
@@ -127,7 +151,10 @@ struct WgmmaRs64x128 {  // d: 64 registers
   HMOE_WGMMA_RS(f16, "m64n128k16", "f16", HMOE_ACC64, HMOE_D64(0), "{%64, %65, %66, %67}, %68", "69", "70")
 };
 #undef HMOE_WGMMA_SS
+#undef HMOE_WGMMA_SS0
 #undef HMOE_WGMMA_RS
+#undef HMOE_W16
+#undef HMOE_W4
 #undef HMOE_D128
 #undef HMOE_D64
 #undef HMOE_D32
@@ -152,6 +179,15 @@ __device__ __forceinline__ void wgmma(Args... args) {
     Op::bf16(args...);
   else
     Op::f16(args...);
+}
+
+// Op::bf16_set or Op::f16_set: d = A B, d's old values unused.
+template <typename Op, typename T, typename... Args>
+__device__ __forceinline__ void wgmma_set(Args... args) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    Op::bf16_set(args...);
+  else
+    Op::f16_set(args...);
 }
 
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).

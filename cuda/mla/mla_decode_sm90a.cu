@@ -3,22 +3,26 @@
 // (mla_decode_portable.cu); the dispatcher sends it calls with more than 32 heads and page sizes
 // that are multiples of 16 (mla_decode_declines) and the rest to the portable family.
 //
-// One CTA = (KV split, 64 heads, request) and three warpgroups, walking the cache in 64-token tiles
-// through a ring of two. Shared memory holds the CTA's Q (64 heads x 576 dims), the ring and one
-// 64 x 64 tile of probabilities P, all as 64-column blocks in the TMA's 128-byte swizzle
-// (attention/wgmma.cuh).
-//   producer    one thread: Q's nine boxes, then each tile's boxes (64 / box rows per block, box =
-//               gcd(page size, 64) rows, so a box never crosses a page; a missing page or tokens
+// One CTA = (KV split, 64 heads, request) and three warpgroups, walking the cache in 32-token tiles
+// through a ring of four. Shared memory holds the CTA's Q (64 heads x 576 dims) and the ring, as
+// 64-column blocks in the TMA's 128-byte swizzle (attention/wgmma.cuh).
+//   producer    one thread: Q's nine boxes, then each tile's boxes (32 / box rows per block, box =
+//               gcd(page size, 32) rows, so a box never crosses a page; a missing page or tokens
 //               past the sequence are boxes outside the tensor, which arrive as zeros), on the
 //               tile buffer's "full" mbarrier, after its "empty" one says both consumers are done.
-//   consumer c  (c = 0, 1; 128 threads each) per tile:
-//               S_c = Q K[32c .. 32c + 32)^T     wgmma m64n32k16, 36 k-steps, fp32
-//               the tile's row max: each its 32 tokens, exchanged through shared memory (barrier 1)
-//               P_c = 2^(S_c - m) rounded to the input dtype into P's columns [32c, 32c + 32)
-//               O_c = alpha O_c + P V[:, 256c .. 256c + 256)   wgmma m64n256k16 (barrier 2 first)
-//               and releases the buffer. O_c (64 x 256 fp32) stays in registers.
-// The running max is the portable kernel's lazy one (attention/softmax.cuh): on most tiles
-// alpha = 1 and O is not rescaled. Both consumers compute the same m from the same two maxima.
+//   consumers   a seesaw: consumer c (0, 1) computes S = Q K^T (wgmma m64n32k16, 36 k-steps, fp32)
+//               and the online softmax of the tiles i with i % 2 == c, writing P (rounded to the
+//               input dtype) into the tile's rope block, dead once S is done (64 x 32 in the
+//               64-byte swizzle), and the tile's rescale factors and running max into shared
+//               memory; it then arrives on named barrier 4 + stage. Both consumers run
+//               O[:, 256c, 256c + 256) = alpha O + P V (wgmma m64n256k16) for every tile in order,
+//               the other's tiles after that barrier. While one consumer does a softmax, the tensor
+//               cores run the other's S or P V.
+// The running max is one chain over the tiles (a tile's softmax starts from the max after the tile
+// before it, the other consumer's) and the portable kernel's lazy one (attention/softmax.cuh): on
+// most tiles alpha = 1 and O is not rescaled. Each consumer keeps the row sums of its own tiles'
+// P, rescaled by every tile's factor; the output adds the two. O (64 x 256 fp32 per consumer)
+// stays in registers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -48,12 +52,13 @@ using attn::kLn2;
 using attn::kLog2e;
 
 constexpr int kHeads = 64;                      // heads per CTA: wgmma's M
-constexpr int kTile = 64;                       // KV tokens per ring buffer
+constexpr int kTile = 32;                       // KV tokens per ring buffer
 constexpr int kBlocks = 9;                      // 64-column blocks of a 576-dim row: 8 latent, 1 rope
 constexpr int kLatentBlocks = kMlaDimCkv / 64;  // 8
-constexpr int kBlockBytes = kTile * 128;        // a block of a tile (or of Q: 64 heads)
+constexpr int kBlockBytes = kTile * 128;        // a block of a tile
+constexpr int kQBlockBytes = kHeads * 128;      // a block of Q
 constexpr int kTileBytes = kBlocks * kBlockBytes;
-constexpr int kStages = 2;
+constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
 constexpr int kMinHeads = 33;
@@ -63,13 +68,17 @@ static_assert(kMlaDimPe == 64, "the rope dims are one block");
 // Shared memory, offsets from a 1024-byte aligned base (the launcher adds 1024 bytes of slack).
 struct Smem {
   static constexpr int q = 0;
-  static constexpr int kv = q + kBlocks * kBlockBytes;
-  static constexpr int p = kv + kStages * kTileBytes;
-  static constexpr int bars = p + kHeads * 128;               // full[kStages], empty[kStages], q
-  static constexpr int stats = bars + 8 * (2 * kStages + 1);  // row maxima, then row sums: [2][kHeads] each
-  static constexpr int end = stats + 2 * 2 * kHeads * 4;
+  static constexpr int kv = q + kBlocks * kQBlockBytes;
+  static constexpr int bars = kv + kStages * kTileBytes;      // full[kStages], empty[kStages], q
+  static constexpr int alpha = bars + 8 * (2 * kStages + 1);  // [kStages][kHeads]: a tile's rescale factors
+  static constexpr int mrow = alpha + kStages * kHeads * 4;   // [kStages][kHeads]: the running max after it
+  static constexpr int lsum = mrow + kStages * kHeads * 4;    // [2][kHeads]: each consumer's row sums
+  static constexpr int end = lsum + 2 * kHeads * 4;
   static constexpr int bytes = end + 1024;
 };
+// Named barriers (0 is __syncthreads): the consumers' end, each consumer alone (2 + c), P of a ring
+// stage (kBarP + stage: its owner arrives, the other consumer waits).
+constexpr int kBarEnd = 1, kBarOwn = 2, kBarP = 4;
 
 // The tensor maps: q_nope [B * H, 512] and q_pe [B * H, 64] in boxes of 64 x 64, ckv [rows, 512] and
 // kpe [rows, 64] in boxes of 64 x box rows; all with the 128-byte swizzle.
@@ -86,10 +95,10 @@ __device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& ma
                                         int head0, int len, int t0, int t1) {
   const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
   if (t0 >= t1) return;  // an empty split: the consumers wait for nothing
-  mbar_expect_tx(qbar, kBlocks * kBlockBytes);
+  mbar_expect_tx(qbar, kBlocks * kQBlockBytes);
   const int qrow = b * p.heads + head0;
   for (int blk = 0; blk < kBlocks; ++blk)
-    tma_load_2d(smem + Smem::q + blk * kBlockBytes, blk < kLatentBlocks ? &maps.q_nope : &maps.q_pe,
+    tma_load_2d(smem + Smem::q + blk * kQBlockBytes, blk < kLatentBlocks ? &maps.q_nope : &maps.q_pe,
                 blk < kLatentBlocks ? 64 * blk : 0, qrow, qbar);
   const int32_t* table = p.page_table + int64_t(b) * p.max_pages;
   // The cache row of the box at token `tok`, or -box (outside the tensor: zeros).
@@ -113,6 +122,189 @@ __device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& ma
   }
 }
 
+// Zeroes rows [valid, kTile) of latent blocks [blk0, blk0 + 4) of the tile at `buf`: rows past the
+// sequence hold whatever the cache holds there, and 0 * NaN in P V would poison O (the masked
+// scores ignore them otherwise). `tid`: 0..127 within the consumer.
+__device__ __forceinline__ void zero_tail(uint32_t buf, int valid, int blk0, int tid) {
+  const int rows = kTile - valid;
+  for (int idx = tid; idx < rows * 4 * 8; idx += 128) {
+    const int row = valid + idx / 32, blk = blk0 + (idx / 8) % 4, chunk = idx % 8;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(buf + blk * kBlockBytes + row * 128 + chunk * 16),
+                 "r"(0u)
+                 : "memory");
+  }
+}
+
+// O[:, 256 c .. 256 c + 256) += P V for the tile at `buf` (P in its rope block, K-major in the
+// 64-byte swizzle; V's four latent blocks of this half N-major). Issued and committed; the caller
+// waits.
+template <typename T>
+__device__ __forceinline__ void issue_pv(float* o, uint32_t buf, int c) {
+  const uint64_t p_desc = k_major64(buf + kLatentBlocks * kBlockBytes);
+  const uint64_t v_desc = n_major(buf + 4 * c * kBlockBytes, kBlockBytes);
+  wgmma_fence();
+  fence_regs<128>(o);
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk)
+    wgmma<Wgmma64x256<1>, T>(o, desc_add(p_desc, kk * 32), desc_add(v_desc, kk * 16 * 128), 1);
+  wgmma_commit();
+}
+
+__device__ __forceinline__ void scale_rows(float* o, const float* alpha) {
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
+    }
+  }
+}
+
+__device__ __forceinline__ void st_shared(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ld_shared(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Consumer c (0 or 1) of the tiles [t0, t1): S and the softmax of the tiles i = t - t0 with
+// i % 2 == c, and P V over its 256 columns of O for every tile, in tile order (the seesaw: while one
+// consumer does a softmax, the tensor cores run the other's S or P V). The running max is one chain
+// over all tiles: tile i's softmax starts from the max after tile i - 1 (the other consumer's),
+// which comes with that tile's P. Every wgmma group is waited for in the iteration that issues it
+// (ptxas serialises wgmma whose accumulators stay in flight across a loop's back edge: C7514).
+// l_run: this consumer's share of the row sums (its tiles' P), in the frame of the final max.
+template <typename T>
+__device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem, int c, int len, int t0, int t1,
+                                        float* o, float* l_run) {
+  const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
+  const int tid = threadIdx.x - 128 * (c + 1), warp = tid / 32, lane = tid % 32;
+  const int r0 = warp * 16 + lane / 4, q4 = lane % 4;  // this thread's rows: r0 and r0 + 8
+  const float scale = p.sm_scale * kLog2e;
+  const uint64_t q_desc = k_major(smem + Smem::q);
+  const int n = t1 - t0;
+  auto buffer = [&](int i) { return smem + Smem::kv + (i % kStages) * kTileBytes; };
+  auto row_addr = [&](int off, int i, int h) { return smem + off + ((i % kStages) * kHeads + r0 + 8 * h) * 4; };
+  // S = Q K^T over tile i's 32 tokens (asynchronous). s[4j + e] is row r0 (e < 2) or r0 + 8,
+  // token 8j + 2 q4 + e % 2.
+  float s[16];
+  auto issue_s = [&](int i) {
+    mbar_wait(full + 8 * (i % kStages), (i / kStages) & 1);
+    const uint64_t k_desc = k_major(buffer(i));
+    wgmma_fence();
+    wgmma_set<Wgmma64x32<0>, T>(s, q_desc, k_desc);
+#pragma unroll
+    for (int step = 1; step < 4 * kBlocks; ++step) {
+      const uint32_t col = (step % 4) * 32;
+      wgmma<Wgmma64x32<0>, T>(s, desc_add(q_desc, (step / 4) * kQBlockBytes + col),
+                              desc_add(k_desc, (step / 4) * kBlockBytes + col), 1);
+    }
+    wgmma_commit();
+  };
+  // The other consumer's tile i: wait for its P, rescale by its factors, issue its P V.
+  auto issue_pv_of = [&](int i) {
+    named_sync(kBarP + i % kStages, 256);
+    const float a[2] = {ld_shared(row_addr(Smem::alpha, i, 0)), ld_shared(row_addr(Smem::alpha, i, 1))};
+    scale_rows(o, a);
+    l_run[0] *= a[0], l_run[1] *= a[1];
+    issue_pv<T>(o, buffer(i), c);
+  };
+  // The softmax of our tile i (its S done): P into the tile's rope block, the rescale factors and
+  // the running max after it into shared memory; alpha and the row sums of P returned.
+  auto softmax = [&](int i, float* alpha, float* sum) {
+    const uint32_t buf = buffer(i);
+    const int valid = len - (t0 + i) * kTile;  // tokens of this tile inside the sequence
+    if (valid < kTile) {                       // V rows past the sequence: zeros for both consumers' P V
+      zero_tail(buf, valid, 0, tid);
+      zero_tail(buf, valid, 4, tid);
+    }
+    float m_old[2] = {-INFINITY, -INFINITY};
+    if (i > 0)
+      m_old[0] = ld_shared(row_addr(Smem::mrow, i - 1, 0)), m_old[1] = ld_shared(row_addr(Smem::mrow, i - 1, 1));
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 8 * j + 2 * q4 + (e & 1);
+        s[4 * j + e] = tok < valid ? s[4 * j + e] * scale : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      }
+    float m[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      m[h] = attn::max_moves(m_old[h], mx[h]) ? attn::next_max(m_old[h], mx[h]) : m_old[h];
+      alpha[h] = attn::rescale(m_old[h], m[h]);
+      sum[h] = 0.f;
+    }
+    const uint32_t pblock = buf + kLatentBlocks * kBlockBytes;  // P: 64 x 32, 64-byte swizzle
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float e0 = exp2_ftz(s[4 * j + 2 * h] - m[h]), e1 = exp2_ftz(s[4 * j + 2 * h + 1] - m[h]);
+        sum[h] += e0 + e1;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(pblock + swizzled64(r0 + 8 * h, 8 * j + 2 * q4)),
+                     "r"(pack2<T>(e0, e1))
+                     : "memory");
+      }
+    if (q4 == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        st_shared(row_addr(Smem::alpha, i, h), alpha[h]);
+        st_shared(row_addr(Smem::mrow, i, h), m[h]);
+      }
+    }
+  };
+  // Our tile i after its softmax: O and l rescaled, P published, our P V issued and waited for.
+  auto own_pv = [&](int i, const float* alpha, const float* sum) {
+    scale_rows(o, alpha);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + sum[h];
+    fence_async_smem();                      // P and the zeroed rows visible to the wgmma of
+    named_sync(kBarOwn + c, 128);            // this consumer
+    named_arrive(kBarP + i % kStages, 256);  // and of the other
+    issue_pv<T>(o, buffer(i), c);
+    wgmma_wait<0>();
+    fence_regs<128>(o);
+    if (tid == 0) mbar_arrive(empty + 8 * (i % kStages));
+  };
+
+  fence_regs<128>(o);  // O's zeros in place before the first wgmma is in flight
+  if (n <= 0) return;
+  mbar_wait(qbar, 0);
+  float alpha[2], sum[2];
+  int i = c;
+  if (c == 0) {  // tile 0: nothing before it
+    issue_s(0);
+    wgmma_wait<0>();
+    fence_regs<16>(s);
+    softmax(0, alpha, sum);
+    own_pv(0, alpha, sum);
+    i = 2;
+  }
+  for (; i < n; i += 2) {
+    issue_s(i);
+    issue_pv_of(i - 1);
+    wgmma_wait<1>();  // S(i); the other's P V still running
+    fence_regs<16>(s);
+    softmax(i, alpha, sum);
+    wgmma_wait<0>();  // the other's P V
+    fence_regs<128>(o);
+    if (tid == 0) mbar_arrive(empty + 8 * ((i - 1) % kStages));
+    own_pv(i, alpha, sum);
+  }
+  if (i == n) {  // the last tile is the other consumer's
+    issue_pv_of(n - 1);
+    wgmma_wait<0>();
+    fence_regs<128>(o);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_sm90a_kernel(const MlaDecodeParams p, const int box, const __grid_constant__ Maps maps) {
@@ -121,8 +313,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = (window + 1023) & ~1023u;
   unsigned char* base = smem_window + (smem - window);
   const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
-  float* smax = reinterpret_cast<float*>(base + Smem::stats);  // [2][kHeads]
-  float* ssum = smax + 2 * kHeads;                             // [2][kHeads]
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   // Warp-uniform, and so said to the compiler (warp_uniform): the tile loop's buffer addresses and
@@ -149,132 +339,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   regs_grow<232>();
-  const int c = wg - 1, tid = threadIdx.x - 128 * wg, warp = tid / 32, lane = tid % 32;
-  const int r0 = warp * 16 + lane / 4;  // this thread's rows: r0 and r0 + 8
-  const int q4 = lane % 4;
-  const float scale = p.sm_scale * kLog2e;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const int c = wg - 1, tid = threadIdx.x - 128 * wg, lane = tid % 32;
+  const int r0 = (tid / 32) * 16 + lane / 4, q4 = lane % 4;  // this thread's rows: r0 and r0 + 8
+  float l_run[2] = {0.f, 0.f};
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-
-  // S = Q K^T over this consumer's 32 tokens of the tile in `buf` (asynchronous: wgmma_wait).
-  float s[16];
-  const uint64_t q_desc = k_major(smem + Smem::q), p_desc = k_major(smem + Smem::p);
-  auto issue_s = [&](uint32_t buf) {
-    const uint64_t k_desc = k_major(buf + c * 32 * 128);
-    wgmma_fence();
-#pragma unroll
-    for (int blk = 0; blk < kBlocks; ++blk)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t step = blk * kBlockBytes + kk * 32;
-        wgmma<Wgmma64x32<0>, T>(s, desc_add(q_desc, step), desc_add(k_desc, step), blk + kk > 0);
-      }
-    wgmma_commit();
-  };
-#pragma unroll
-  for (int k = 0; k < 16; ++k) s[k] = 0.f;
-  if (t0 < t1) mbar_wait(qbar, 0);
-  for (int t = t0; t < t1; ++t) {
-    const int i = t - t0, stage = i % kStages;
-    const uint32_t buf = smem + Smem::kv + stage * kTileBytes;
-    mbar_wait(full + 8 * stage, (i / kStages) & 1);
-    issue_s(buf);
-    const int valid = len - t * kTile;  // tokens of this tile inside the sequence
-    if (valid < kTile) {
-      // Rows past the sequence hold whatever the cache holds there; 0 * NaN in P V would poison
-      // O: zero this consumer's V columns of them (the masked scores ignore the rest).
-      const int rows = kTile - valid;
-      for (int idx = tid; idx < rows * 4 * 8; idx += 128) {
-        const int row = valid + idx / 32, blk = 4 * c + (idx / 8) % 4, chunk = idx % 8;
-        asm volatile(
-            "st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(buf + blk * kBlockBytes + row * 128 + chunk * 16),
-            "r"(0u)
-            : "memory");
-      }
-      fence_async_smem();
-    }
-    wgmma_wait<0>();
-    fence_regs<16>(s);
-
-    // Scores: s[4j + e] is row r0 (e < 2) or r0 + 8, token 32c + 8j + 2 q4 + e % 2.
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = 32 * c + 8 * j + 2 * q4 + (e & 1);
-        s[4 * j + e] = tok < valid ? s[4 * j + e] * scale : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    }
-    if (q4 == 0) smax[c * kHeads + r0] = mx[0], smax[c * kHeads + r0 + 8] = mx[1];
-    named_sync(1, kConsumerThreads);
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float both = fmaxf(mx[h], smax[(1 - c) * kHeads + r0 + 8 * h]);
-      const float m_old = m_run[h];
-      if (attn::max_moves(m_old, both)) m_run[h] = attn::next_max(m_old, both);
-      alpha[h] = attn::rescale(m_old, m_run[h]);
-    }
-    // P = 2^(s - m) in the input dtype, into P's 128-byte swizzled rows (K-major for P V).
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float e0 = exp2_ftz(s[4 * j + 2 * h] - m_run[h]), e1 = exp2_ftz(s[4 * j + 2 * h + 1] - m_run[h]);
-        sum[h] += e0 + e1;
-        const int row = r0 + 8 * h, col = 32 * c + 8 * j + 2 * q4;
-        *reinterpret_cast<uint32_t*>(base + Smem::p + swizzled(row, col)) = pack2<T>(e0, e1);
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + sum[h];
-    if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1], o[4 * j + 3] *= alpha[1];
-      }
-    }
-    fence_async_smem();  // P visible to the wgmma of both consumers
-    named_sync(2, kConsumerThreads);
-
-    // O += P V over this consumer's 256 latent columns (4 blocks, N-major B).
-    const uint64_t v_desc = n_major(buf + 4 * c * kBlockBytes, kBlockBytes);
-    wgmma_fence();
-    fence_regs<128>(o);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma<Wgmma64x256<1>, T>(o, desc_add(p_desc, kk * 32), desc_add(v_desc, kk * 16 * 128), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs<128>(o);
-    if (tid == 0) mbar_arrive(empty + 8 * stage);  // both products are done with this buffer
-  }
-
-  // The row sums of both consumers' tokens.
+  consume<T>(p, smem, c, len, t0, t1, o, l_run);
+  // Both consumers' shares of the row sums (over the row's four threads, then the two consumers);
+  // the row's max is the one after the last tile.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
-  if (q4 == 0) ssum[c * kHeads + r0] = l_run[0], ssum[c * kHeads + r0 + 8] = l_run[1];
-  named_sync(1, kConsumerThreads);
+  float* lsum = reinterpret_cast<float*>(base + Smem::lsum);  // [2][kHeads]
+  const float* mrow = reinterpret_cast<const float*>(base + Smem::mrow);
+  if (q4 == 0) lsum[c * kHeads + r0] = l_run[0], lsum[c * kHeads + r0 + 8] = l_run[1];
+  named_sync(kBarEnd, kConsumerThreads);
   grid_dependents_may_launch();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h, head = head0 + row;
     if (head >= p.heads) continue;
-    const float l = ssum[row] + ssum[kHeads + row];
+    const float l = lsum[row] + lsum[kHeads + row];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse2 = attn::lse2(m_run[h], l);
+    const float lse2 = attn::lse2(t1 > t0 ? mrow[((t1 - t0 - 1) % kStages) * kHeads + row] : -INFINITY, l);
     const int64_t bh = int64_t(b) * p.heads + head;
     const int col0 = 256 * c + 2 * q4;
     if (p.num_splits == 1) {
@@ -304,7 +394,7 @@ void with_kernel(int dtype, F&& f) {
     f(mla_decode_sm90a_kernel<__half>);
 }
 
-// Rows a TMA box of the cache covers: the largest power of two <= 64 that divides the page size.
+// Rows a TMA box of the cache covers: the largest power of two <= 32 that divides the page size.
 int box_rows(int page_size) { return std::gcd(page_size, kTile); }
 
 }  // namespace
