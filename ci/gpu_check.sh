@@ -37,6 +37,9 @@ if ls .device/whl/*.whl > /dev/null 2>&1; then
     --target /tmp/site .device/whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 
+# A fresh build folder: on a machine kept warm between calls, a build/ left by other sources can
+# look newer than the sources copied in (ninja compares times) and install stale objects.
+[[ $steps == *" build "* ]] && rm -rf build
 step build env HMOE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install --no-build-isolation --no-deps -v . || { echo "build failed"; exit 1; }
 step tests python3 -m pytest tests -q -rs -p no:cacheprovider
