@@ -98,9 +98,9 @@ __device__ __forceinline__ void fence_regs(float* d) {
                  : OUTS                                                                                              \
                  : "l"(a), "l"(b), "r"(scale_d), "n"(TRANS_B));                                                      \
   }
-// d = A B (scale_d 0), d written only: the compiler need not keep d's old values (nor move them
-// into place) for it, which matters where another wgmma is in flight: ptxas serialises every
-// wgmma (C7515) when other instructions define accumulator registers inside a pipeline stage.
+// The same without scale_d: d = A B, d written only. The compiler then need not keep d's old values
+// (nor move them into place), which matters where another wgmma is in flight: ptxas serialises
+// every wgmma (C7515) when other instructions define accumulator registers inside a pipeline stage.
 #define HMOE_WGMMA_SS0(FN, SHAPE, PTX, ACC, OUTS, AB, TRANS)                                                         \
   __device__ __forceinline__ static void FN(float* d, uint64_t a, uint64_t b) {                                      \
     asm volatile(                                                                                                    \
@@ -127,8 +127,8 @@ template <int TRANS_B>
 struct Wgmma64x32 {  // d: 16 registers
   HMOE_WGMMA_SS(bf16, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_D16(0), "%16, %17", "18", "19")
   HMOE_WGMMA_SS(f16, "m64n32k16", "f16", HMOE_ACC_0, HMOE_D16(0), "%16, %17", "18", "19")
-  HMOE_WGMMA_SS0(bf16_set, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_W16(0), "%16, %17", "18")
-  HMOE_WGMMA_SS0(f16_set, "m64n32k16", "f16", HMOE_ACC_0, HMOE_W16(0), "%16, %17", "18")
+  HMOE_WGMMA_SS0(bf16, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_W16(0), "%16, %17", "18")
+  HMOE_WGMMA_SS0(f16, "m64n32k16", "f16", HMOE_ACC_0, HMOE_W16(0), "%16, %17", "18")
 };
 template <int TRANS_B>
 struct Wgmma64x128 {  // d: 64 registers
@@ -172,22 +172,14 @@ struct WgmmaRs64x128 {  // d: 64 registers
 #undef HMOE_ACC_6
 #undef HMOE_ACC_7
 
-// Op::bf16 or Op::f16 (one of the structs above) for the 16-bit input type T.
+// Op::bf16 or Op::f16 (one of the structs above) for the 16-bit input type T: (d, a, b, scale_d), or
+// (d, a, b) for d = A B with d written only (the shapes that have it).
 template <typename Op, typename T, typename... Args>
 __device__ __forceinline__ void wgmma(Args... args) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
     Op::bf16(args...);
   else
     Op::f16(args...);
-}
-
-// Op::bf16_set or Op::f16_set: d = A B, d's old values unused.
-template <typename Op, typename T, typename... Args>
-__device__ __forceinline__ void wgmma_set(Args... args) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    Op::bf16_set(args...);
-  else
-    Op::f16_set(args...);
 }
 
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).

@@ -194,7 +194,7 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
     mbar_wait(full + 8 * (i % kStages), (i / kStages) & 1);
     const uint64_t k_desc = k_major(buffer(i));
     wgmma_fence();
-    wgmma_set<Wgmma64x32<0>, T>(s, q_desc, k_desc);
+    wgmma<Wgmma64x32<0>, T>(s, q_desc, k_desc);  // d = A B: s written only
 #pragma unroll
     for (int step = 1; step < 4 * kBlocks; ++step) {
       const uint32_t col = (step % 4) * 32;
