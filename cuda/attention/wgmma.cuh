@@ -141,6 +141,11 @@ struct Wgmma64x256 {  // d: 128 registers
   HMOE_WGMMA_SS(f16, "m64n256k16", "f16", HMOE_ACC128, HMOE_D128, "%128, %129", "130", "131")
 };
 template <int TRANS_B>
+struct WgmmaRs64x32 {  // d: 16 registers
+  HMOE_WGMMA_RS(bf16, "m64n32k16", "bf16", HMOE_ACC_0, HMOE_D16(0), "{%16, %17, %18, %19}, %20", "21", "22")
+  HMOE_WGMMA_RS(f16, "m64n32k16", "f16", HMOE_ACC_0, HMOE_D16(0), "{%16, %17, %18, %19}, %20", "21", "22")
+};
+template <int TRANS_B>
 struct WgmmaRs64x64 {  // d: 32 registers
   HMOE_WGMMA_RS(bf16, "m64n64k16", "bf16", HMOE_ACC32, HMOE_D32(0), "{%32, %33, %34, %35}, %36", "37", "38")
   HMOE_WGMMA_RS(f16, "m64n64k16", "f16", HMOE_ACC32, HMOE_D32(0), "{%32, %33, %34, %35}, %36", "37", "38")

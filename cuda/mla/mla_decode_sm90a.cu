@@ -10,11 +10,12 @@
 //               gcd(page size, 32) rows, so a box never crosses a page; a missing page or tokens
 //               past the sequence are boxes outside the tensor, which arrive as zeros), on the
 //               tile buffer's "full" mbarrier, after its "empty" one says both consumers are done.
-//   consumers   a seesaw: consumer c (0, 1) computes S = Q K^T (wgmma m64n32k16, 36 k-steps, fp32)
-//               and the online softmax of the tiles i with i % 2 == c, writing P (rounded to the
-//               input dtype) into the tile's rope block, dead once S is done (64 x 32 in the
-//               64-byte swizzle), and the tile's rescale factors and running max into shared
-//               memory; it then arrives on named barrier 4 + stage. Both consumers run
+//   consumers   a seesaw: consumer c (0, 1) computes S = Q K^T (wgmma m64n32k16, 36 k-steps, fp32;
+//               Q of the last 12 from registers) and the online softmax of the tiles i with
+//               i % 2 == c, writing P (rounded to the input dtype) into the tile's rope block,
+//               dead once S is done (64 x 32 in the 64-byte swizzle), and the tile's rescale
+//               factors and running max into shared memory; it then arrives on named barrier
+//               4 + stage. Both consumers run
 //               O[:, 256c .. 256c + 256) = alpha O + P V (wgmma m64n256k16) for every tile in order,
 //               the other's tiles after that barrier. While one consumer does a softmax, the tensor
 //               cores run the other's S or P V.
@@ -62,6 +63,13 @@ constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
 constexpr int kMinHeads = 33;
+// S's k-steps (16 dims each), of which the last kRegSteps take Q from registers (wgmma with A in
+// registers): S reads all of Q for every tile, and this cuts those shared-memory reads by a third.
+// 12 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16);
+// H200, 64x4096x128: 8 ran 131-133 us, 12 126 us, none 139 us.
+constexpr int kSteps = 4 * kBlocks;
+constexpr int kRegSteps = 12;
+static_assert(kRegSteps > 0 && kRegSteps <= kSteps, "the register k-steps are a tail of S's");
 // fewer heads: the portable family (see mla_decode_declines)
 static_assert(kMlaDimPe == 64, "the rope dims are one block");
 
@@ -179,6 +187,7 @@ __device__ __forceinline__ float ld_shared(uint32_t addr) {
 template <typename T>
 __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem, int c, int len, int t0, int t1,
                                         float* o, float* l_run) {
+  uint32_t qa[kRegSteps][4];  // Q's A fragments of the last kRegSteps k-steps
   const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
   const int tid = threadIdx.x - 128 * (c + 1), warp = tid / 32, lane = tid % 32;
   const int r0 = warp * 16 + lane / 4, q4 = lane % 4;  // this thread's rows: r0 and r0 + 8
@@ -196,10 +205,13 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
     wgmma_fence();
     wgmma<Wgmma64x32<0>, T>(s, q_desc, k_desc);  // d = A B: s written only
 #pragma unroll
-    for (int step = 1; step < 4 * kBlocks; ++step) {
+    for (int step = 1; step < kSteps; ++step) {
       const uint32_t col = (step % 4) * 32;
-      wgmma<Wgmma64x32<0>, T>(s, desc_add(q_desc, (step / 4) * kQBlockBytes + col),
-                              desc_add(k_desc, (step / 4) * kBlockBytes + col), 1);
+      const uint64_t kd = desc_add(k_desc, (step / 4) * kBlockBytes + col);
+      if (step < kSteps - kRegSteps)
+        wgmma<Wgmma64x32<0>, T>(s, desc_add(q_desc, (step / 4) * kQBlockBytes + col), kd, 1);
+      else
+        wgmma<WgmmaRs64x32<0>, T>(s, qa[step - (kSteps - kRegSteps)], kd, 1);
     }
     wgmma_commit();
   };
@@ -277,6 +289,14 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
   fence_regs<128>(o);  // O's zeros in place before the first wgmma is in flight
   if (n <= 0) return;
   mbar_wait(qbar, 0);
+  // This warp's 16 rows of Q for the register k-steps (the A layout of an m16n8k16 mma.sync per
+  // warp: ldmatrix's four 8 x 8 pieces, rows then the k halves).
+#pragma unroll
+  for (int k = 0; k < kRegSteps; ++k) {
+    const int step = kSteps - kRegSteps + k, row = warp * 16 + lane % 16;
+    attn::ldmatrix_x4(qa[k],
+                      smem + Smem::q + (step / 4) * kQBlockBytes + swizzled(row, (step % 4) * 16 + 8 * (lane / 16)));
+  }
   float alpha[2], sum[2];
   int i = c;
   if (c == 0) {  // tile 0: nothing before it
@@ -333,12 +353,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer
-    regs_shrink<40>();
+  if (wg == 0) {  // producer: the fewest registers, so that the consumers get 240
+    regs_shrink<24>();
     if (threadIdx.x == 0) produce(p, maps, smem, box, b, head0, len, t0, t1);
     return;
   }
-  regs_grow<232>();
+  regs_grow<240>();
   const int c = wg - 1, tid = threadIdx.x - 128 * wg, lane = tid % 32;
   const int r0 = (tid / 32) * 16 + lane / 4, q4 = lane % 4;  // this thread's rows: r0 and r0 + 8
   float l_run[2] = {0.f, 0.f};
