@@ -187,6 +187,15 @@ __device__ __forceinline__ void wgmma(Args... args) {
     Op::f16(args...);
 }
 
+// Four 8 x 8 pieces of 16-bit values from registers to shared memory (r[k]: piece k, this lane's two
+// values of row lane / 4, columns 2 (lane % 4) and + 1, as an mma accumulator holds them; lane l
+// gives the address of row l % 8 of piece l / 8).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).
 template <int N>
 __device__ __forceinline__ void regs_grow() {

@@ -215,16 +215,20 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
     }
     wgmma_commit();
   };
-  // The other consumer's tile i: wait for its P, rescale by its factors, issue its P V.
+  // The other consumer's tile i: wait for its P, rescale by its factors, issue its P V. The running
+  // max after it, which our next softmax starts from, is read here too (off that softmax's path).
+  float m_prev[2] = {-INFINITY, -INFINITY};
   auto issue_pv_of = [&](int i) {
     named_sync(kBarP + i % kStages, 256);
     const float a[2] = {ld_shared(row_addr(Smem::alpha, i, 0)), ld_shared(row_addr(Smem::alpha, i, 1))};
+    m_prev[0] = ld_shared(row_addr(Smem::mrow, i, 0)), m_prev[1] = ld_shared(row_addr(Smem::mrow, i, 1));
     scale_rows(o, a);
     l_run[0] *= a[0], l_run[1] *= a[1];
     issue_pv<T>(o, buffer(i), c);
   };
-  // The softmax of our tile i (its S done): P into the tile's rope block, the rescale factors and
-  // the running max after it into shared memory; alpha and the row sums of P returned.
+  // The softmax of our tile i (its S done; m_prev the running max after tile i - 1): P into the
+  // tile's rope block, the rescale factors and the running max after it into shared memory; alpha
+  // and the row sums of P returned.
   auto softmax = [&](int i, float* alpha, float* sum) {
     const uint32_t buf = buffer(i);
     const int valid = len - (t0 + i) * kTile;  // tokens of this tile inside the sequence
@@ -232,9 +236,7 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
       zero_tail(buf, valid, 0, tid);
       zero_tail(buf, valid, 4, tid);
     }
-    float m_old[2] = {-INFINITY, -INFINITY};
-    if (i > 0)
-      m_old[0] = ld_shared(row_addr(Smem::mrow, i - 1, 0)), m_old[1] = ld_shared(row_addr(Smem::mrow, i - 1, 1));
+    const float* m_old = m_prev;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kTile / 8; ++j)
@@ -253,17 +255,24 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
       alpha[h] = attn::rescale(m_old[h], m[h]);
       sum[h] = 0.f;
     }
-    const uint32_t pblock = buf + kLatentBlocks * kBlockBytes;  // P: 64 x 32, 64-byte swizzle
+    uint32_t pk[kTile / 8][2];  // P rounded, in the accumulator layout: rows r0 + 8 h, tokens 8 j + 2 q4
 #pragma unroll
     for (int j = 0; j < kTile / 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float e0 = exp2_ftz(s[4 * j + 2 * h] - m[h]), e1 = exp2_ftz(s[4 * j + 2 * h + 1] - m[h]);
         sum[h] += e0 + e1;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(pblock + swizzled64(r0 + 8 * h, 8 * j + 2 * q4)),
-                     "r"(pack2<T>(e0, e1))
-                     : "memory");
+        pk[j][h] = pack2<T>(e0, e1);
       }
+    // P (64 x 32, 64-byte swizzle) by stmatrix: 8 x 8 pieces (h, j), lane l giving row l % 8 of
+    // piece l / 8 of each group of four: (0, 2x), (1, 2x), (0, 2x + 1), (1, 2x + 1).
+    const uint32_t pblock = buf + kLatentBlocks * kBlockBytes;
+#pragma unroll
+    for (int x = 0; x < kTile / 16; ++x) {
+      const int piece = lane / 8, row = warp * 16 + 8 * (piece % 2) + lane % 8;
+      stmatrix_x4(pblock + swizzled64(row, 8 * (2 * x + piece / 2)), pk[2 * x][0], pk[2 * x][1], pk[2 * x + 1][0],
+                  pk[2 * x + 1][1]);
+    }
     if (q4 == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
