@@ -77,10 +77,10 @@ static_assert(kMlaDimPe == 64, "the rope dims are one block");
 struct Smem {
   static constexpr int q = 0;
   static constexpr int kv = q + kBlocks * kQBlockBytes;
-  static constexpr int bars = kv + kStages * kTileBytes;      // full[kStages], empty[kStages], q
-  static constexpr int alpha = bars + 8 * (2 * kStages + 1);  // [kStages][kHeads]: a tile's rescale factors
-  static constexpr int mrow = alpha + kStages * kHeads * 4;   // [kStages][kHeads]: the running max after it
-  static constexpr int lsum = mrow + kStages * kHeads * 4;    // [2][kHeads]: each consumer's row sums
+  static constexpr int bars = kv + kStages * kTileBytes;  // full[kStages], empty[kStages], q
+  // [kStages][kHeads] pairs: a tile's rescale factor and the running max after it, per row
+  static constexpr int rows = bars + 8 * (2 * kStages + 1);
+  static constexpr int lsum = rows + kStages * kHeads * 8;  // [2][kHeads]: each consumer's row sums
   static constexpr int end = lsum + 2 * kHeads * 4;
   static constexpr int bytes = end + 1024;
 };
@@ -168,13 +168,11 @@ __device__ __forceinline__ void scale_rows(float* o, const float* alpha) {
   }
 }
 
-__device__ __forceinline__ void st_shared(uint32_t addr, float v) {
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+__device__ __forceinline__ void st_shared2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
-__device__ __forceinline__ float ld_shared(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
+__device__ __forceinline__ void ld_shared2(uint32_t addr, float& x, float& y) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
 }
 
 // Consumer c (0 or 1) of the tiles [t0, t1): S and the softmax of the tiles i = t - t0 with
@@ -195,7 +193,7 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
   const uint64_t q_desc = k_major(smem + Smem::q);
   const int n = t1 - t0;
   auto buffer = [&](int i) { return smem + Smem::kv + (i % kStages) * kTileBytes; };
-  auto row_addr = [&](int off, int i, int h) { return smem + off + ((i % kStages) * kHeads + r0 + 8 * h) * 4; };
+  auto row_addr = [&](int i, int h) { return smem + Smem::rows + ((i % kStages) * kHeads + r0 + 8 * h) * 8; };
   // S = Q K^T over tile i's 32 tokens (asynchronous). s[4j + e] is row r0 (e < 2) or r0 + 8,
   // token 8j + 2 q4 + e % 2.
   float s[16];
@@ -220,8 +218,9 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
   float m_prev[2] = {-INFINITY, -INFINITY};
   auto issue_pv_of = [&](int i) {
     named_sync(kBarP + i % kStages, 256);
-    const float a[2] = {ld_shared(row_addr(Smem::alpha, i, 0)), ld_shared(row_addr(Smem::alpha, i, 1))};
-    m_prev[0] = ld_shared(row_addr(Smem::mrow, i, 0)), m_prev[1] = ld_shared(row_addr(Smem::mrow, i, 1));
+    float a[2];
+    ld_shared2(row_addr(i, 0), a[0], m_prev[0]);
+    ld_shared2(row_addr(i, 1), a[1], m_prev[1]);
     scale_rows(o, a);
     l_run[0] *= a[0], l_run[1] *= a[1];
     issue_pv<T>(o, buffer(i), c);
@@ -246,12 +245,20 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
         s[4 * j + e] = tok < valid ? s[4 * j + e] * scale : -INFINITY;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
       }
-    float m[2];
+    // The row maxima (over the row's four lanes) matter only where the running max moves, which a
+    // thread's own scores show (attn::max_moves); on most tiles no row of the warp moves and the
+    // shuffles, which queue behind the wgmma's shared-memory traffic, are skipped.
+    float m[2] = {m_old[0], m_old[1]};
+    if (__any_sync(0xffffffffu, attn::max_moves(m_old[0], mx[0]) || attn::max_moves(m_old[1], mx[1]))) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        if (attn::max_moves(m_old[h], mx[h])) m[h] = attn::next_max(m_old[h], mx[h]);
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      m[h] = attn::max_moves(m_old[h], mx[h]) ? attn::next_max(m_old[h], mx[h]) : m_old[h];
       alpha[h] = attn::rescale(m_old[h], m[h]);
       sum[h] = 0.f;
     }
@@ -276,8 +283,7 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
     if (q4 == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        st_shared(row_addr(Smem::alpha, i, h), alpha[h]);
-        st_shared(row_addr(Smem::mrow, i, h), m[h]);
+        st_shared2(row_addr(i, h), alpha[h], m[h]);
       }
     }
   };
@@ -382,8 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
-  float* lsum = reinterpret_cast<float*>(base + Smem::lsum);  // [2][kHeads]
-  const float* mrow = reinterpret_cast<const float*>(base + Smem::mrow);
+  float* lsum = reinterpret_cast<float*>(base + Smem::lsum);              // [2][kHeads]
+  const float* rows = reinterpret_cast<const float*>(base + Smem::rows);  // [kStages][kHeads][alpha, max]
   if (q4 == 0) lsum[c * kHeads + r0] = l_run[0], lsum[c * kHeads + r0 + 8] = l_run[1];
   named_sync(kBarEnd, kConsumerThreads);
   grid_dependents_may_launch();
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (head >= p.heads) continue;
     const float l = lsum[row] + lsum[kHeads + row];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse2 = attn::lse2(t1 > t0 ? mrow[((t1 - t0 - 1) % kStages) * kHeads + row] : -INFINITY, l);
+    const float lse2 = attn::lse2(t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY, l);
     const int64_t bh = int64_t(b) * p.heads + head;
     const int col0 = 256 * c + 2 * q4;
     if (p.num_splits == 1) {
