@@ -15,10 +15,9 @@
 //               i % 2 == c, writing P (rounded to the input dtype) into the tile's rope block,
 //               dead once S is done (64 x 32 in the 64-byte swizzle), and the tile's rescale
 //               factors and running max into shared memory; it then arrives on named barrier
-//               4 + stage. Both consumers run
-//               O[:, 256c .. 256c + 256) = alpha O + P V (wgmma m64n256k16) for every tile in order,
-//               the other's tiles after that barrier. While one consumer does a softmax, the tensor
-//               cores run the other's S or P V.
+//               4 + stage. Both consumers run O[:, 256c .. 256c + 256) = alpha O + P V (wgmma
+//               m64n256k16) for every tile in order, the other's tiles after that barrier. While
+//               one consumer does a softmax, the tensor cores run the other's S or P V.
 // The running max is one chain over the tiles (a tile's softmax starts from the max after the tile
 // before it, the other consumer's) and the portable kernel's lazy one (attention/softmax.cuh): on
 // most tiles alpha = 1 and O is not rescaled. Each consumer keeps the row sums of its own tiles'
