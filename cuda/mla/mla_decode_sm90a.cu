@@ -234,7 +234,6 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
       zero_tail(buf, valid, 0, tid);
       zero_tail(buf, valid, 4, tid);
     }
-    const float* m_old = m_prev;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kTile / 8; ++j)
@@ -247,18 +246,18 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
     // The row maxima (over the row's four lanes) matter only where the running max moves, which a
     // thread's own scores show (attn::max_moves); on most tiles no row of the warp moves and the
     // shuffles, which queue behind the wgmma's shared-memory traffic, are skipped.
-    float m[2] = {m_old[0], m_old[1]};
-    if (__any_sync(0xffffffffu, attn::max_moves(m_old[0], mx[0]) || attn::max_moves(m_old[1], mx[1]))) {
+    float m[2] = {m_prev[0], m_prev[1]};
+    if (__any_sync(0xffffffffu, attn::max_moves(m_prev[0], mx[0]) || attn::max_moves(m_prev[1], mx[1]))) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        if (attn::max_moves(m_old[h], mx[h])) m[h] = attn::next_max(m_old[h], mx[h]);
+        if (attn::max_moves(m_prev[h], mx[h])) m[h] = attn::next_max(m_prev[h], mx[h]);
       }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      alpha[h] = attn::rescale(m_old[h], m[h]);
+      alpha[h] = attn::rescale(m_prev[h], m[h]);
       sum[h] = 0.f;
     }
     uint32_t pk[kTile / 8][2];  // P rounded, in the accumulator layout: rows r0 + 8 h, tokens 8 j + 2 q4
