@@ -31,7 +31,12 @@ def unit_roundoff(dtype) -> float:
 #   does (its tiles, its lazy running max): the output's rounding (1) and 1 for the P values that
 #   land on the other side of a rounding boundary because the kernel's fp32 scores and exponentials
 #   (another summation order, ex2.approx) differ from the reference's in their last bits.
-_ROUNDINGS = {"mla_decode": 3, "grouped_topk": 16, "hybrid_model_logits": 8, "prefill": 3,
+#   absorbed_mla_logits: a small DeepSeek model decoding with hmoe's absorbed MLA attention
+#   (GraphDecoder(attention="hmoe")) against the model's own attention in the same dtype: the absorbed
+#   form rounds q_abs, the attention output and its W_UV product where transformers rounds the
+#   expanded keys and values and the attention output; those differences pass through every layer
+#   and the head, as the patched model's do: 8 u.
+_ROUNDINGS = {"mla_decode": 3, "grouped_topk": 16, "hybrid_model_logits": 8, "absorbed_mla_logits": 8, "prefill": 3,
               "prefill_same_rounding": 2}
 # lse is computed in fp32 from exact products: an absolute bound (a base-2 lse read as natural is
 # off by 30%, and lse here is 3 or more).

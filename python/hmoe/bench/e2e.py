@@ -69,6 +69,7 @@ def _sync(torch, device):
 
 
 PROMPT = 16
+MODEL_ATTENTION = "graph, tf attention"  # the row whose decode steps run transformers' attention
 
 
 def _host_run_seconds(model) -> float:
@@ -78,14 +79,17 @@ def _host_run_seconds(model) -> float:
     return 1e-6 * sum(sum(b.host_run_times()) for b in model.modules() if isinstance(b, hn.HybridMoE))
 
 
-def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int) -> tuple[float, float]:
-    """(seconds per decode step, seconds of it the CPU experts ran inside host jobs) for `batch`
+def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int,
+                attention: str = "auto") -> tuple[float, float, str]:
+    """(seconds per decode step, seconds of it the CPU experts ran inside host jobs, what ran the
+    attention: GraphDecoder.attention_reason) for `batch`
     sequences after a PROMPT-token prefill (hmoe.nn.GraphDecoder: static cache; with capture, steps
-    replay one CUDA graph). The host waits for the steps through GraphDecoder.synchronize (asleep: a
-    spinning wait takes a core from the CPU experts)."""
+    replay one CUDA graph; `attention` as GraphDecoder's). The host waits for the steps through
+    GraphDecoder.synchronize (asleep: a spinning wait takes a core from the CPU experts)."""
     import hmoe.nn as hn
 
-    dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=PROMPT + steps + 4, capture=capture)
+    dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=PROMPT + steps + 4, capture=capture,
+                          attention=attention)
     g = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, vocab, (batch, PROMPT), generator=g).to(device)
     nxt = dec.prefill(prompt).argmax(-1)
@@ -97,7 +101,7 @@ def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, voc
     for _ in range(steps):
         nxt = dec.step(nxt).argmax(-1)
     dec.synchronize()
-    return (time.perf_counter() - t0) / steps, _host_run_seconds(model) / steps
+    return (time.perf_counter() - t0) / steps, _host_run_seconds(model) / steps, dec.attention_reason
 
 
 def prefill_seconds(torch, model, tokens: int, device, vocab: int, repeats: int = 2) -> float:
@@ -162,7 +166,8 @@ def baseline(torch, opts, dtype, device, vocab: int) -> dict:
     out = {"how": how, "decode_s": {}}
     with torch.no_grad():
         for batch in opts.batches[:1]:
-            out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab)[0]
+            out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab,
+                                                 attention="model")[0]
         if opts.prefill:
             out["prefill_s"] = prefill_seconds(torch, model, opts.prefill, device, vocab, repeats=1)
     del model
@@ -206,13 +211,14 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
             cpu_s, distinct = cpu_experts_alone(torch, model, batch)
             bound_s = moe_layers * distinct * expert_bytes / (read["gbps"] * 1e9)
             entry = {"cpu_experts_alone_s": cpu_s, "distinct_experts_per_layer": distinct, "bound_s": bound_s}
-            modes = [("eager", False, opts.handovers[0])]
+            modes = [("eager", False, opts.handovers[0], "auto")]
             if device.type == "cuda":
-                modes += [(graph_row(h, opts), True, h) for h in opts.handovers]
-            for name, capture, how in modes:
+                modes += [(graph_row(h, opts), True, h, "auto") for h in opts.handovers]
+                modes.append((MODEL_ATTENTION, True, opts.handovers[0], "model"))
+            for name, capture, how, attention in modes:
                 with handover(how):
-                    entry[name], entry[f"{name} cpu experts inside"] = decode_rate(torch, model, batch, opts.steps,
-                                                                                   capture, device, vocab)
+                    entry[name], entry[f"{name} cpu experts inside"], entry[f"{name} attention"] = decode_rate(
+                        torch, model, batch, opts.steps, capture, device, vocab, attention)
             result["decode"][batch] = entry
         if opts.prefill:
             progress(f"prefill {opts.prefill} tokens")
@@ -231,6 +237,10 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
         print(f"baseline unavailable: {base['error']}")
     elif base:
         print(f"baseline: {base['how']}")
+    first = next(iter(result["decode"].values()), {})
+    if "cuda graph attention" in first:
+        print(f"attention in the decode steps: {first['cuda graph attention']}; row '{MODEL_ATTENTION}': "
+              f"{first[MODEL_ATTENTION + ' attention']} (transformers' own, the same graph otherwise)")
     if device.type == "cuda":
         print(f"hand-over of the CPU experts: {opts.handovers[0]} (HMOE_CPU_HANDOVER; the rows 'cuda graph, <name>' "
               "use another); cpu inside = the CPU experts' own run time inside the step; the rest of the step is "
@@ -239,7 +249,7 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
     print(head + "\n" + "-" * len(head))
     for batch, e in result["decode"].items():
         b_s = base.get("decode_s", {}).get(batch)
-        for name in [graph_row(h, opts) for h in opts.handovers] + ["eager"]:
+        for name in [graph_row(h, opts) for h in opts.handovers] + [MODEL_ATTENTION, "eager"]:
             if name in e:
                 s = e[name]
                 rows.append(name)

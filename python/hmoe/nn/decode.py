@@ -3,13 +3,18 @@ from one CUDA graph (HybridMoE's CPU experts run inside it, handed over by doorb
 functions: hmoe/nn/_staging.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from . import _staging
+from . import _mla, _staging
+
+ATTENTIONS = ("auto", "hmoe", "model")
 
 
 class GraphDecoder:
-    """GraphDecoder(model, *, batch_size, max_cache_len, capture=True) for a transformers causal LM.
+    """GraphDecoder(model, *, batch_size, max_cache_len, capture=True, attention="auto") for a transformers
+    causal LM.
 
     prefill(input_ids [B, L]) runs the prompt eagerly into a StaticCache and returns the last
     logits [B, V]; step(ids [B]) runs one decode step and returns its logits [B, V] (a view of a
@@ -22,9 +27,19 @@ class GraphDecoder:
     synchronize() waits for the steps enqueued so far without spinning (a blocking-sync CUDA event):
     a host thread spinning in torch.cuda.synchronize() takes a core from the CPU experts for the
     whole wait. generate() ends with it.
+
+    attention: what runs the decode steps' attention of a DeepSeek-V2/V3 model. "hmoe": the absorbed
+    MLA decode (hmoe/nn/_mla.py) on the latents the static cache holds, through hmoe.ops.mla_decode on a
+    CUDA device (bf16/fp16, kv_lora_rank 512, rope 64) and through the same math in fp32 torch on the
+    CPU; transformers' own attention instead expands the whole cache through kv_b_proj at every step.
+    "model": the model's own attention. "auto" (default): "hmoe" where it runs (a DeepSeek MLA model on
+    a CUDA device with those dimensions), else "model". self.attention says which, and
+    self.attention_reason why. The prompt (prefill) always runs the model's own attention. On CUDA with
+    "hmoe", the static cache is max_cache_len rounded up to a multiple of 64 tokens (mla_decode's pages).
     """
 
-    def __init__(self, model, *, batch_size: int, max_cache_len: int, capture: bool = True):
+    def __init__(self, model, *, batch_size: int, max_cache_len: int, capture: bool = True,
+                 attention: str = "auto"):
         from transformers import StaticCache
 
         self.model, self.batch, self.max_len, self.capture = model, int(batch_size), int(max_cache_len), capture
@@ -32,11 +47,30 @@ class GraphDecoder:
         if self.device.type != "cuda" and capture:
             raise ValueError(f"GraphDecoder: the model is on {self.device}; CUDA graphs need a CUDA device "
                              "(capture=False decodes eagerly through the same static cache)")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"GraphDecoder: attention must be one of {', '.join(map(repr, ATTENTIONS))}, "
+                             f"got {attention!r}")
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-        self.cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+        modules = _mla.attention_modules(model)
+        why = _mla.unsupported(modules, self.device, self.dtype)
+        if attention == "hmoe" and why:
+            raise ValueError(f"GraphDecoder: attention='hmoe' cannot run this model: {why}")
+        if attention == "auto" and self.device.type != "cuda" and not why:
+            why = "auto chooses hmoe's MLA decode on CUDA devices only (attention='hmoe' runs it on the CPU in torch)"
+        self.attention = "model" if attention == "model" or why else "hmoe"
+        self.attention_reason = ("attention='model'" if attention == "model" else why or
+                                 f"absorbed MLA decode of {len(modules)} attention modules"
+                                 + (" through hmoe.ops.mla_decode" if self.device.type == "cuda" else " (torch, fp32)"))
+        cache_len = self.max_len
+        if self.attention == "hmoe" and self.device.type == "cuda":
+            cache_len = -(-self.max_len // _mla.PAGE) * _mla.PAGE
+        self._absorbed = (_mla.AbsorbedDecode(modules, self.batch, cache_len, self.device)
+                          if self.attention == "hmoe" else None)
+        self._cache_len = cache_len
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         self._ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._mask = torch.zeros(self.batch, 1, 1, self.max_len, dtype=self.dtype, device=self.device)
+        self._mask = torch.zeros(self.batch, 1, 1, cache_len, dtype=self.dtype, device=self.device)
         self._graph = self._logits = None
         self._done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self._steps = 0
@@ -50,7 +84,7 @@ class GraphDecoder:
     def _set_mask(self, mask, queries: int, start: int) -> None:
         neg = torch.finfo(self.dtype).min
         q = torch.arange(start, start + queries, device=self.device).view(-1, 1)
-        k = torch.arange(self.max_len, device=self.device).view(1, -1)
+        k = torch.arange(self._cache_len, device=self.device).view(1, -1)
         mask.copy_(torch.where(k <= q, 0.0, neg).to(self.dtype).expand_as(mask))
 
     def prefill(self, input_ids):
@@ -61,7 +95,7 @@ class GraphDecoder:
         if not 0 < L < self.max_len:
             raise ValueError(f"GraphDecoder.prefill: a prompt of {L} tokens does not fit max_cache_len {self.max_len}")
         self.cache.reset()
-        mask = torch.empty(self.batch, 1, L, self.max_len, dtype=self.dtype, device=self.device)
+        mask = torch.empty(self.batch, 1, L, self._cache_len, dtype=self.dtype, device=self.device)
         self._set_mask(mask, L, 0)
         with torch.no_grad():
             logits = self._forward(input_ids.to(self.device), torch.arange(L, device=self.device), mask)
@@ -74,7 +108,9 @@ class GraphDecoder:
         self._ids.copy_(ids.view(self.batch, 1))
         self._pos.fill_(self.length)
         self._set_mask(self._mask, 1, self.length)
-        with torch.no_grad():
+        if self._absorbed is not None:
+            self._absorbed.seq_lens.fill_(self.length + 1)
+        with torch.no_grad(), (self._absorbed.active() if self._absorbed else contextlib.nullcontext()):
             if not self.capture or self._steps == 0:
                 logits = self._forward(self._ids, self._pos, self._mask)
             else:

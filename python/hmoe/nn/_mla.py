@@ -1,0 +1,144 @@
+"""Absorbed MLA decode for transformers' DeepSeek-V2/V3 attention: what GraphDecoder(attention="hmoe")
+runs in its decode steps.
+
+transformers' DeepseekV2Attention / DeepseekV3Attention cache the compressed latents (the cache's keys
+are kv_a_layernorm(kv_nope) [B, 1, L, kv_lora_rank], its values the roped k_pe [B, 1, L, rope]) and
+expand the whole cache through kv_b_proj at every step before attending. The absorbed form attends on
+the latents themselves: with kv_b_proj's weight viewed as [H, nope + v, R] = [W_UK; W_UV],
+
+    q_abs = q_nope W_UK                         [B, H, R]   (rounded to the model's dtype)
+    out   = mla_decode(q_abs, q_pe, cache)     [B, H, R]   (hmoe.ops.mla_decode and its precision contract)
+    o     = out W_UV^T                          [B, H, v], then o_proj
+
+which is the same attention (q_nope . k_nope = q_abs . latent, P V = (P latent) W_UV^T) with the rounding
+points of an MLA decode kernel instead of those of the expanded keys and values. The projections, the
+norms, the rotary embedding and the cache update are the module's own (the functions of its transformers
+version). On a CUDA device the attention is hmoe.ops.mla_decode over the static cache viewed as pages of
+PAGE tokens; on the CPU it is the same math in fp32 with torch (the reference the tests compare with).
+Only for aligned batches: every sequence of the batch has the same length and no padding (mla_decode
+attends to the first seq_lens tokens of each row and takes no mask), which GraphDecoder guarantees.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+PAGE = 64  # tokens per page of the static cache viewed as mla_decode's paged cache
+_LATENT_MODULE_ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "kv_lora_rank",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_heads", "scaling", "layer_idx")
+
+
+def attention_modules(model) -> list:
+    """The model's DeepSeek MLA attention modules (transformers' DeepseekV2Attention / DeepseekV3Attention,
+    recognised by their latent projections)."""
+    return [m for m in model.modules() if all(hasattr(m, a) for a in _LATENT_MODULE_ATTRS)]
+
+
+def unsupported(modules: list, device, dtype) -> str:
+    """Why the absorbed decode cannot run these modules on `device` in `dtype` ("" when it can)."""
+    if not modules:
+        return "the model has no DeepSeek MLA attention modules (kv_a_proj_with_mqa, kv_b_proj)"
+    if device.type == "cpu":
+        return ""
+    if device.type != "cuda":
+        return f"the model is on {device}: hmoe's MLA decode runs on CUDA devices (and on the CPU in torch)"
+    from ..ops import mla
+
+    m = modules[0]
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the model is {str(dtype).removeprefix('torch.')}: hmoe.ops.mla_decode takes bf16 or fp16"
+    if (m.kv_lora_rank, m.qk_rope_head_dim) != (mla.D_CKV, mla.D_PE):
+        return (f"kv_lora_rank {m.kv_lora_rank} and qk_rope_head_dim {m.qk_rope_head_dim}: hmoe.ops.mla_decode "
+                f"takes DeepSeek's {mla.D_CKV} and {mla.D_PE}")
+    if not 1 <= m.num_heads <= mla.MAX_HEADS:
+        return f"{m.num_heads} heads: hmoe.ops.mla_decode takes 1 to {mla.MAX_HEADS}"
+    return ""
+
+
+def _rope(m, q_pe, k_pe, position_embeddings):
+    """The module's own rotary embedding (the functions of its modeling file, so of its transformers
+    version): DeepSeek-V2's complex frequencies, or V3's cos/sin in interleaved or half-split layout."""
+    mod = sys.modules[type(m).__module__]
+    if hasattr(mod, "apply_rotary_emb"):
+        return mod.apply_rotary_emb(q_pe, k_pe, position_embeddings.to(q_pe.device))
+    cos, sin = position_embeddings
+    if getattr(m.config, "rope_interleave", False):
+        return mod.apply_rotary_pos_emb_interleave(q_pe, k_pe, cos, sin)
+    return mod.apply_rotary_pos_emb(q_pe, k_pe, cos, sin)
+
+
+def _attend_cpu(q_abs, q_pe, keys, values, seq_lens, scale):
+    """Softmax attention over the first seq_lens[b] latents of row b, in fp32 (the CPU path)."""
+    ckv, kpe = keys[:, 0].float(), values[:, 0].float()  # [B, L, R], [B, L, rope]
+    s = (q_abs.float() @ ckv.transpose(1, 2) + q_pe.float() @ kpe.transpose(1, 2)) * scale  # [B, H, L]
+    pos = torch.arange(ckv.shape[1], device=s.device).view(1, 1, -1)
+    s = s.masked_fill(pos >= seq_lens.view(-1, 1, 1).to(s.device), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ ckv).to(q_abs.dtype)
+
+
+class AbsorbedDecode:
+    """The absorbed decode of `modules` for batches of `batch` sequences over a static cache of
+    `cache_len` tokens (a multiple of PAGE on CUDA). seq_lens ([batch] int32, the tokens each row
+    attends to, this step's included) is set by the caller before each step, outside any graph."""
+
+    def __init__(self, modules: list, batch: int, cache_len: int, device):
+        self.modules = modules
+        self.cuda = device.type == "cuda"
+        if self.cuda and cache_len % PAGE:
+            raise ValueError(f"AbsorbedDecode: the static cache holds {cache_len} tokens, not a multiple of {PAGE}")
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        if self.cuda:
+            self.page_table = torch.arange(batch * cache_len // PAGE, dtype=torch.int32, device=device).view(batch, -1)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Inside the block, the modules' single-token calls run absorbed (an instance forward that leaves
+        every other call to the class's forward)."""
+        for m in self.modules:
+            m.forward = self._forward_of(m)
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.__dict__.pop("forward", None)
+
+    def _forward_of(self, m):
+        cls_forward = type(m).forward
+
+        def forward(hidden_states, *args, **kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            pe = kwargs.get("position_embeddings")
+            if hidden_states.shape[1] != 1 or cache is None or pe is None or args:
+                return cls_forward(m, hidden_states, *args, **kwargs)
+            return self._step(m, hidden_states, cache, pe), None
+
+        return forward
+
+    def _step(self, m, h, cache, position_embeddings):
+        B, H = h.shape[0], m.num_heads
+        nope, rope, R, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
+        q = m.q_proj(h) if getattr(m, "q_proj", None) is not None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(h)))
+        q = q.view(B, 1, H, nope + rope).transpose(1, 2)  # [B, H, 1, nope + rope]
+        q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
+        kv_nope, k_pe = torch.split(m.kv_a_proj_with_mqa(h), [R, rope], dim=-1)
+        kv_nope = m.kv_a_layernorm(kv_nope).view(B, 1, 1, R)
+        q_pe, k_pe = _rope(m, q_pe, k_pe.view(B, 1, 1, rope), position_embeddings)
+        keys, values = cache.update(kv_nope, k_pe, m.layer_idx)
+        if keys.dim() != 4 or keys.shape[1] != 1 or keys.shape[-1] != R or values.shape[-1] != rope:
+            raise RuntimeError(f"hmoe absorbed MLA decode: layer {m.layer_idx}'s cache holds keys {tuple(keys.shape)} "
+                               f"and values {tuple(values.shape)}, not the latents [B, 1, L, {R}] and [B, 1, L, {rope}] "
+                               "this transformers version was expected to cache; use GraphDecoder(attention='model')")
+        w = m.kv_b_proj.weight.view(H, nope + dv, R)
+        q_abs = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, R]
+        q_pe = q_pe.reshape(B, H, rope)
+        if self.cuda:
+            from ..ops import mla_decode
+
+            out = mla_decode(q_abs.contiguous(), q_pe.contiguous(), keys.view(-1, PAGE, R),
+                             values.view(-1, PAGE, rope), self.page_table, self.seq_lens, sm_scale=m.scaling)
+        else:
+            out = _attend_cpu(q_abs, q_pe, keys, values, self.seq_lens, m.scaling)
+        o = torch.matmul(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, B, v]
+        return m.o_proj(o.transpose(0, 1).reshape(B, 1, H * dv))

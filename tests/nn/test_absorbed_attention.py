@@ -1,0 +1,116 @@
+"""GraphDecoder(attention="hmoe"): the absorbed MLA decode of transformers' DeepSeek-V2/V3 attention
+(hmoe/nn/_mla.py) against the model's own attention; on the CPU through its fp32 torch path, on a GPU
+(tests marked gpu) through hmoe.ops.mla_decode inside CUDA-graph steps."""
+import pytest
+import torch
+
+import hmoe.nn as hn
+from hmoe import _reference
+from hmoe.nn import _mla
+
+from . import models
+
+CONFIGS = [("v2", {}), ("v2", {"q_lora_rank": None}), ("v3", {"rope_interleave": True}),
+           ("v3", {"rope_interleave": False, "q_lora_rank": None})]
+
+
+def _rel(a, b):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _counting(monkeypatch, name):
+    calls = []
+    real = getattr(_mla, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_mla, name, counted)
+    return calls
+
+
+def _teacher_forced(model, prompt, steps, device, **kw):
+    """Logits of the prompt's prefill and of `steps` decode steps of each decoder, all fed the model
+    attention's greedy tokens (so that both decode the same sequence)."""
+    mine = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, **kw)
+    theirs = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, capture=False, attention="model")
+    out = [(mine.prefill(prompt).clone(), theirs.prefill(prompt))]
+    for _ in range(steps):
+        nxt = out[-1][1].argmax(-1)
+        out.append((mine.step(nxt).clone(), theirs.step(nxt)))
+    return mine, out
+
+
+@pytest.mark.parametrize("kind,kw", CONFIGS, ids=lambda c: str(c))
+def test_absorbed_decode_matches_the_model_on_the_cpu(kind, kw, monkeypatch):
+    calls = _counting(monkeypatch, "_attend_cpu")
+    m = models.model(kind, **kw)
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    dec, pairs = _teacher_forced(m, prompt, 12, "cpu", capture=False, attention="hmoe")
+    assert dec.attention == "hmoe" and "absorbed MLA decode of 3 attention modules" in dec.attention_reason
+    assert len(calls) == 12 * 3  # every decode step of every layer ran absorbed; the prefill did not
+    for mine, theirs in pairs:
+        assert _rel(mine, theirs) <= _reference.tolerance("absorbed_mla_logits", torch.float32)
+    assert all("forward" not in mod.__dict__ for mod in _mla.attention_modules(m))  # uninstalled after each step
+    want = hn.GraphDecoder(m, batch_size=2, max_cache_len=40, capture=False, attention="model").generate(prompt, 20)
+    got = hn.GraphDecoder(m, batch_size=2, max_cache_len=40, capture=False, attention="hmoe").generate(prompt, 20)
+    assert torch.equal(got, want)
+
+
+def test_absorbed_decode_of_a_patched_model(monkeypatch):
+    m = models.model("v3")
+    hn.patch_model(m, progress=False)
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    want = hn.GraphDecoder(m, batch_size=1, max_cache_len=30, capture=False, attention="model").generate(prompt, 16)
+    got = hn.GraphDecoder(m, batch_size=1, max_cache_len=30, capture=False, attention="hmoe").generate(prompt, 16)
+    assert torch.equal(got, want)
+
+
+def test_attention_choice_and_its_reasons():
+    m = models.model("v2")
+    auto = hn.GraphDecoder(m, batch_size=1, max_cache_len=8, capture=False)
+    assert auto.attention == "model" and "CUDA devices only" in auto.attention_reason
+    assert hn.GraphDecoder(m, batch_size=1, max_cache_len=8, capture=False, attention="model").attention_reason == \
+        "attention='model'"
+    with pytest.raises(ValueError, match="attention must be one of 'auto', 'hmoe', 'model', got 'mla'"):
+        hn.GraphDecoder(m, batch_size=1, max_cache_len=8, capture=False, attention="mla")
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2)).eval()
+    with pytest.raises(ValueError, match="attention='hmoe' cannot run this model: the model has no DeepSeek MLA"):
+        hn.GraphDecoder(llama, batch_size=1, max_cache_len=8, capture=False, attention="hmoe")
+    assert hn.GraphDecoder(llama, batch_size=1, max_cache_len=8, capture=False).attention == "model"
+
+
+def test_what_the_cuda_path_needs_is_checked_without_a_gpu():
+    cuda = torch.device("cuda", 0)
+    small = _mla.attention_modules(models.model("v3"))
+    assert "takes bf16 or fp16" in _mla.unsupported(small, cuda, torch.float32)
+    assert "kv_lora_rank 16 and qk_rope_head_dim 8" in _mla.unsupported(small, cuda, torch.bfloat16)
+    real = _mla.attention_modules(models.model("v3", kv_lora_rank=512, qk_rope_head_dim=64))
+    assert _mla.unsupported(real, cuda, torch.bfloat16) == ""
+    assert "runs on CUDA devices" in _mla.unsupported(real, torch.device("meta"), torch.bfloat16)
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        _mla.AbsorbedDecode(real, 1, 40, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("patched", [False, True], ids=["original", "patched"])
+def test_absorbed_decode_on_the_gpu_in_cuda_graphs(kind, dtype, patched, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    calls = _counting(monkeypatch, "_attend_cpu")
+    m = models.model(kind, dtype, kv_lora_rank=512, qk_rope_head_dim=64).cuda()
+    if patched:
+        hn.patch_model(m, progress=False)
+    prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    dec, pairs = _teacher_forced(m, prompt, 12, "cuda")  # attention="auto", capture=True
+    assert dec.attention == "hmoe" and "hmoe.ops.mla_decode" in dec.attention_reason
+    assert dec._graph is not None and dec._cache_len == 64 and not calls
+    errs = [_rel(mine, theirs) for mine, theirs in pairs]
+    assert max(errs) <= _reference.tolerance("absorbed_mla_logits", dtype), errs
