@@ -109,8 +109,10 @@ def test_absorbed_decode_on_the_gpu_in_cuda_graphs(kind, dtype, patched, monkeyp
     if patched:
         hn.patch_model(m, progress=False)
     prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
-    dec, pairs = _teacher_forced(m, prompt, 12, "cuda")  # attention="auto", capture=True
+    # attention="auto"; transformers' own routed experts (torch._grouped_mm with host offsets) cannot be
+    # captured, so the original model decodes eagerly and the patched one in CUDA graphs
+    dec, pairs = _teacher_forced(m, prompt, 12, "cuda", capture=patched)
     assert dec.attention == "hmoe" and "hmoe.ops.mla_decode" in dec.attention_reason
-    assert dec._graph is not None and dec._cache_len == 64 and not calls
+    assert (dec._graph is not None) == patched and dec._cache_len == 64 and not calls
     errs = [_rel(mine, theirs) for mine, theirs in pairs]
     assert max(errs) <= _reference.tolerance("absorbed_mla_logits", dtype), errs
