@@ -27,6 +27,8 @@ def parse_args(argv, prog):
     p.add_argument("--batches", default="1,8", help="decode batch sizes (default 1,8)")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens, batch 1 (default 512; 0: skip)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (default 16)")
+    p.add_argument("--prompt", type=int, default=16,
+                   help="prompt tokens before the timed decode steps, the context they attend to (default 16)")
     p.add_argument("--baseline-steps", type=int, default=3, help="timed decode steps of the baseline (default 3)")
     p.add_argument("--no-baseline", action="store_true", help="leave transformers out")
     p.add_argument("--cpu-only", action="store_true", help="everything on the CPU (default: on the GPU if any)")
@@ -39,8 +41,9 @@ def parse_args(argv, prog):
         opts.batches = [int(b) for b in opts.batches.split(",") if b]
     except ValueError:
         p.error(f"--batches must be comma-separated integers, got {opts.batches!r}")
-    if not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prefill < 0 or opts.baseline_steps < 1:
-        p.error("--batches, --steps and --baseline-steps must be positive, --prefill >= 0")
+    if (not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prefill < 0 or opts.baseline_steps < 1
+            or opts.prompt < 1):
+        p.error("--batches, --steps, --baseline-steps and --prompt must be positive, --prefill >= 0")
     from hmoe.nn._staging import HANDOVERS
 
     opts.handovers = [h for h in opts.handovers.split(",") if h]
@@ -68,7 +71,6 @@ def _sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-PROMPT = 16
 MODEL_ATTENTION = "graph, tf attention"  # the row whose decode steps run transformers' attention
 
 
@@ -80,18 +82,18 @@ def _host_run_seconds(model) -> float:
 
 
 def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int,
-                attention: str = "auto") -> tuple[float, float, str]:
+                attention: str = "auto", prompt_len: int = 16) -> tuple[float, float, str]:
     """(seconds per decode step, seconds of it the CPU experts ran inside host jobs, what ran the
     attention: GraphDecoder.attention_reason) for `batch`
-    sequences after a PROMPT-token prefill (hmoe.nn.GraphDecoder: static cache; with capture, steps
+    sequences after a prefill of prompt_len tokens (hmoe.nn.GraphDecoder: static cache; with capture, steps
     replay one CUDA graph; `attention` as GraphDecoder's). The host waits for the steps through
     GraphDecoder.synchronize (asleep: a spinning wait takes a core from the CPU experts)."""
     import hmoe.nn as hn
 
-    dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=PROMPT + steps + 4, capture=capture,
+    dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=prompt_len + steps + 4, capture=capture,
                           attention=attention)
     g = torch.Generator().manual_seed(batch)
-    prompt = torch.randint(0, vocab, (batch, PROMPT), generator=g).to(device)
+    prompt = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
     nxt = dec.prefill(prompt).argmax(-1)
     for _ in range(2):  # eager warm-up, then the capture (and its first replay)
         nxt = dec.step(nxt).argmax(-1)
@@ -167,7 +169,7 @@ def baseline(torch, opts, dtype, device, vocab: int) -> dict:
     with torch.no_grad():
         for batch in opts.batches[:1]:
             out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab,
-                                                 attention="model")[0]
+                                                 attention="model", prompt_len=opts.prompt)[0]
         if opts.prefill:
             out["prefill_s"] = prefill_seconds(torch, model, opts.prefill, device, vocab, repeats=1)
     del model
@@ -189,7 +191,8 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
     print(f"hmoe.bench e2e  preset {opts.preset}: {moe_layers} MoE layers, {cfg.n_routed_experts} experts top-"
           f"{cfg.num_experts_per_tok}, H={cfg.hidden_size} I={cfg.moe_intermediate_size}, {opts.dtype}  "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}  "
-          f"cpu: {membw.cpu_model()}  threads {hmoe.get_num_threads()}  torch {torch.__version__}")
+          f"cpu: {membw.cpu_model()}  threads {hmoe.get_num_threads()}  torch {torch.__version__}  "
+          f"decode after a {opts.prompt}-token prompt")
     progress("measuring the host's read bandwidth")
     read = membw.measure_read_bandwidth()
     progress(f"read bandwidth {read['gbps']:.1f} GB/s; building the model")
@@ -218,7 +221,7 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
             for name, capture, how, attention in modes:
                 with handover(how):
                     entry[name], entry[f"{name} cpu experts inside"], entry[f"{name} attention"] = decode_rate(
-                        torch, model, batch, opts.steps, capture, device, vocab, attention)
+                        torch, model, batch, opts.steps, capture, device, vocab, attention, opts.prompt)
             result["decode"][batch] = entry
         if opts.prefill:
             progress(f"prefill {opts.prefill} tokens")
