@@ -30,6 +30,7 @@ def test_cpu_rows_table_and_json(tmp_path, capsys):
         # timed in blocks alternating with the direct call's: the medians of the pairs
         assert set(r["vs"]) == {direct} and r["vs"][direct]["ref_us"] == r["ref_us"] > 0
         assert r["added_us"] == r["vs"][direct]["added_us"] and r["vs"][direct]["ratio"] > 0
+        assert r["us"] == r["vs"][direct]["us"] and r["us_min"] == r["vs"][direct]["us_min"]
         assert r["verdict"].startswith(f"{r['added_us']:+.2f} us, <= 5: ")
     assert "custom op (torch.ops.hmoe) at most 5 us more than the direct call" in out
 
