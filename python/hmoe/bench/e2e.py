@@ -84,10 +84,10 @@ def _host_run_seconds(model) -> float:
 def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int,
                 attention: str = "auto", prompt_len: int = 16) -> tuple[float, float, str]:
     """(seconds per decode step, seconds of it the CPU experts ran inside host jobs, what ran the
-    attention: GraphDecoder.attention_reason) for `batch`
-    sequences after a prefill of prompt_len tokens (hmoe.nn.GraphDecoder: static cache; with capture, steps
-    replay one CUDA graph; `attention` as GraphDecoder's). The host waits for the steps through
-    GraphDecoder.synchronize (asleep: a spinning wait takes a core from the CPU experts)."""
+    attention: GraphDecoder.attention_reason) for `batch` sequences after a prefill of prompt_len
+    tokens (hmoe.nn.GraphDecoder: static cache; with capture, steps replay one CUDA graph; `attention`
+    as GraphDecoder's). The host waits for the steps through GraphDecoder.synchronize (asleep: a
+    spinning wait takes a core from the CPU experts)."""
     import hmoe.nn as hn
 
     dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=prompt_len + steps + 4, capture=capture,
