@@ -61,13 +61,16 @@ def main() -> int:
     report = hn.patch_model(model)  # progress bar on stderr
     print(report)
 
+    attention = []
+
     def hybrid(ids, n):
         dec = hn.GraphDecoder(model, batch_size=1, max_cache_len=ids.shape[1] + n + 1, capture=device.type == "cuda")
+        attention.append(dec.attention_reason)
         return dec.generate(ids, n)
 
     patched, t_hyb = per_token(hybrid, prompt, opts.tokens)
     how = "CUDA graphs" if device.type == "cuda" else "eager"
-    print(f"patched (experts on the CPU, {how}): {t_hyb * 1e3:8.2f} ms/token")
+    print(f"patched (experts on the CPU, {how}): {t_hyb * 1e3:8.2f} ms/token; decode attention: {attention[-1]}")
     if original is not None:
         same = int((patched[0, : original.shape[1]] == original[0]).sum()) - prompt.shape[1]
         print(f"greedy tokens equal to the original's: {same} of {opts.tokens} (bf16: the two round differently)")

@@ -116,3 +116,24 @@ def test_absorbed_decode_on_the_gpu_in_cuda_graphs(kind, dtype, patched, monkeyp
     assert (dec._graph is not None) == patched and dec._cache_len == 64 and not calls
     errs = [_rel(mine, theirs) for mine, theirs in pairs]
     assert max(errs) <= _reference.tolerance("absorbed_mla_logits", dtype), errs
+
+
+@pytest.mark.gpu
+def test_absorbed_decode_over_several_pages_per_row(monkeypatch):
+    """Rows of three 64-token pages each (the static cache viewed as mla_decode's page table), steps
+    that cross a page boundary, three sequences."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    m = models.model("v2", torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=256).cuda()
+    hn.patch_model(m, progress=False)
+    prompt = torch.randint(0, 128, (3, 120), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    mine = hn.GraphDecoder(m, batch_size=3, max_cache_len=150)
+    theirs = hn.GraphDecoder(m, batch_size=3, max_cache_len=150, capture=False, attention="model")
+    assert mine.attention == "hmoe" and mine._cache_len == 192
+    assert mine._absorbed.page_table.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    pairs = [(mine.prefill(prompt).clone(), theirs.prefill(prompt))]
+    for _ in range(12):  # positions 120..131: across the boundary at 128
+        nxt = pairs[-1][1].argmax(-1)
+        pairs.append((mine.step(nxt).clone(), theirs.step(nxt)))
+    errs = [_rel(a, b) for a, b in pairs]
+    assert max(errs) <= _reference.tolerance("absorbed_mla_logits", torch.bfloat16), errs
