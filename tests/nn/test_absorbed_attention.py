@@ -68,6 +68,22 @@ def test_absorbed_decode_of_a_patched_model(monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_an_instance_forward_set_before_is_kept():
+    m = models.model("v3")
+    mod = _mla.attention_modules(m)[1]
+    seen = []
+    original = mod.forward
+
+    def wrapped(hidden_states, *args, **kwargs):
+        seen.append(hidden_states.shape[1])
+        return original(hidden_states, *args, **kwargs)
+
+    mod.forward = wrapped
+    prompt = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(2))
+    hn.GraphDecoder(m, batch_size=1, max_cache_len=12, capture=False, attention="hmoe").generate(prompt, 3)
+    assert mod.__dict__["forward"] is wrapped and seen == [4]  # the prompt went through it, the steps did not
+
+
 def test_attention_choice_and_its_reasons():
     m = models.model("v2")
     auto = hn.GraphDecoder(m, batch_size=1, max_cache_len=8, capture=False)

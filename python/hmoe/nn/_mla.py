@@ -100,23 +100,28 @@ class AbsorbedDecode:
     @contextlib.contextmanager
     def active(self):
         """Inside the block, the modules' single-token calls run absorbed (an instance forward that leaves
-        every other call to the class's forward)."""
+        every other call to the forward the module had: the class's, or an instance forward set before,
+        which the block puts back)."""
+        saved = [m.__dict__.get("forward") for m in self.modules]  # an instance forward someone else set
         for m in self.modules:
             m.forward = self._forward_of(m)
         try:
             yield
         finally:
-            for m in self.modules:
-                m.__dict__.pop("forward", None)
+            for m, f in zip(self.modules, saved):
+                if f is None:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = f
 
     def _forward_of(self, m):
-        cls_forward = type(m).forward
+        fallback = m.__dict__.get("forward") or type(m).forward.__get__(m)
 
         def forward(hidden_states, *args, **kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             pe = kwargs.get("position_embeddings")
             if hidden_states.shape[1] != 1 or cache is None or pe is None or args:
-                return cls_forward(m, hidden_states, *args, **kwargs)
+                return fallback(hidden_states, *args, **kwargs)
             return self._step(m, hidden_states, cache, pe), None
 
         return forward
