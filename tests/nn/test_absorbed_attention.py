@@ -31,7 +31,7 @@ def _counting(monkeypatch, name):
     return calls
 
 
-def _teacher_forced(model, prompt, steps, device, **kw):
+def _teacher_forced(model, prompt, steps, **kw):
     """Logits of the prompt's prefill and of `steps` decode steps of each decoder, all fed the model
     attention's greedy tokens (so that both decode the same sequence)."""
     mine = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, **kw)
@@ -48,7 +48,7 @@ def test_absorbed_decode_matches_the_model_on_the_cpu(kind, kw, monkeypatch):
     calls = _counting(monkeypatch, "_attend_cpu")
     m = models.model(kind, **kw)
     prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
-    dec, pairs = _teacher_forced(m, prompt, 12, "cpu", capture=False, attention="hmoe")
+    dec, pairs = _teacher_forced(m, prompt, 12, capture=False, attention="hmoe")
     assert dec.attention == "hmoe" and "absorbed MLA decode of 3 attention modules" in dec.attention_reason
     assert len(calls) == 12 * 3  # every decode step of every layer ran absorbed; the prefill did not
     for mine, theirs in pairs:
@@ -131,7 +131,7 @@ def test_absorbed_decode_on_the_gpu_in_cuda_graphs(kind, dtype, patched, monkeyp
     prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     # attention="auto"; transformers' own routed experts (torch._grouped_mm with host offsets) cannot be
     # captured, so the original model decodes eagerly and the patched one in CUDA graphs
-    dec, pairs = _teacher_forced(m, prompt, 12, "cuda", capture=patched)
+    dec, pairs = _teacher_forced(m, prompt, 12, capture=patched)
     assert dec.attention == "hmoe" and "hmoe.ops.mla_decode" in dec.attention_reason
     assert (dec._graph is not None) == patched and dec._cache_len == 64 and not calls
     errs = [_rel(mine, theirs) for mine, theirs in pairs]
