@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from ..ops import mla
+
 PAGE = 64  # tokens per page of the static cache viewed as mla_decode's paged cache
 _LATENT_MODULE_ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "kv_lora_rank",
                         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_heads", "scaling", "layer_idx")
@@ -44,8 +46,6 @@ def unsupported(modules: list, device, dtype) -> str:
         return ""
     if device.type != "cuda":
         return f"the model is on {device}: hmoe's MLA decode runs on CUDA devices (and on the CPU in torch)"
-    from ..ops import mla
-
     m = modules[0]
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the model is {str(dtype).removeprefix('torch.')}: hmoe.ops.mla_decode takes bf16 or fp16"
@@ -60,6 +60,23 @@ def unsupported(modules: list, device, dtype) -> str:
     except Exception as e:  # noqa: BLE001 - any failure to choose a variant is a reason to keep the model's
         return f"hmoe.ops.mla_decode cannot run on {device}: {type(e).__name__}: {e}"
     return ""
+
+
+def choose(modules: list, attention: str, device, dtype) -> tuple[bool, str]:
+    """(whether GraphDecoder's decode steps run absorbed, why) for its `attention` argument ("auto",
+    "hmoe" or "model"); "hmoe" on modules it cannot run is a ValueError that says why."""
+    if attention == "model":
+        return False, "attention='model'"
+    why = unsupported(modules, device, dtype)
+    if why and attention == "hmoe":
+        raise ValueError(f"GraphDecoder: attention='hmoe' cannot run this model: {why}")
+    if why:
+        return False, why
+    if device.type != "cuda":
+        if attention == "auto":
+            return False, "auto chooses hmoe's MLA decode on CUDA devices only (attention='hmoe' runs it on the CPU in torch)"
+        return True, f"absorbed MLA decode of {len(modules)} attention modules (torch, fp32)"
+    return True, f"absorbed MLA decode of {len(modules)} attention modules through hmoe.ops.mla_decode"
 
 
 def _rope(m, q_pe, k_pe, position_embeddings):
@@ -144,9 +161,7 @@ class AbsorbedDecode:
         q_abs = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, R]
         q_pe = q_pe.reshape(B, H, rope)
         if self.cuda:
-            from ..ops import mla_decode
-
-            out = mla_decode(q_abs.contiguous(), q_pe.contiguous(), keys.view(-1, PAGE, R),
+            out = mla.mla_decode(q_abs.contiguous(), q_pe.contiguous(), keys.view(-1, PAGE, R),
                              values.view(-1, PAGE, rope), self.page_table, self.seq_lens, sm_scale=m.scaling)
         else:
             out = _attend_cpu(q_abs, q_pe, keys, values, self.seq_lens, m.scaling)

@@ -52,20 +52,12 @@ class GraphDecoder:
                              f"got {attention!r}")
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         modules = _mla.attention_modules(model)
-        why = _mla.unsupported(modules, self.device, self.dtype)
-        if attention == "hmoe" and why:
-            raise ValueError(f"GraphDecoder: attention='hmoe' cannot run this model: {why}")
-        if attention == "auto" and self.device.type != "cuda" and not why:
-            why = "auto chooses hmoe's MLA decode on CUDA devices only (attention='hmoe' runs it on the CPU in torch)"
-        self.attention = "model" if attention == "model" or why else "hmoe"
-        self.attention_reason = ("attention='model'" if attention == "model" else why or
-                                 f"absorbed MLA decode of {len(modules)} attention modules"
-                                 + (" through hmoe.ops.mla_decode" if self.device.type == "cuda" else " (torch, fp32)"))
+        absorbed, self.attention_reason = _mla.choose(modules, attention, self.device, self.dtype)
+        self.attention = "hmoe" if absorbed else "model"
         cache_len = self.max_len
-        if self.attention == "hmoe" and self.device.type == "cuda":
+        if absorbed and self.device.type == "cuda":
             cache_len = -(-self.max_len // _mla.PAGE) * _mla.PAGE
-        self._absorbed = (_mla.AbsorbedDecode(modules, self.batch, cache_len, self.device)
-                          if self.attention == "hmoe" else None)
+        self._absorbed = _mla.AbsorbedDecode(modules, self.batch, cache_len, self.device) if absorbed else None
         self._cache_len = cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         self._ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
