@@ -14,6 +14,9 @@
 #ifndef HMOE_HAS_mla_decode
 #define HMOE_HAS_mla_decode 0
 #endif
+#ifndef HMOE_HAS_mla_rope_append
+#define HMOE_HAS_mla_rope_append 0
+#endif
 #ifndef HMOE_HAS_ragged_prefill
 #define HMOE_HAS_ragged_prefill 0
 #endif
@@ -27,6 +30,9 @@
 #if HMOE_HAS_mla_decode
 #include "mla/mla_decode_entry.h"
 #endif
+#if HMOE_HAS_mla_rope_append
+#include "mla/mla_rope_append_entry.h"
+#endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
 #include "prefill/prefill_entry.h"
 #endif
@@ -39,6 +45,7 @@ namespace {
 bool has_op(const char* op) {
   return std::strcmp(op, "cuda") == 0 || (HMOE_HAS_grouped_topk && std::strcmp(op, "grouped_topk") == 0) ||
          (HMOE_HAS_mla_decode && std::strcmp(op, "mla_decode") == 0) ||
+         (HMOE_HAS_mla_rope_append && std::strcmp(op, "mla_rope_append") == 0) ||
          (HMOE_HAS_ragged_prefill && std::strcmp(op, "ragged_prefill") == 0) ||
          (HMOE_HAS_paged_prefill && std::strcmp(op, "paged_prefill") == 0);
 }
@@ -57,6 +64,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 #endif
 #if HMOE_HAS_mla_decode
     hmoe::mla_decode_prewarm(device);
+#endif
+#if HMOE_HAS_mla_rope_append
+    hmoe::mla_rope_append_prewarm(device);
 #endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
     hmoe::prefill_prewarm(device);
@@ -89,6 +99,12 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   HMOE_DEF(m, mla_decode_declines, {
     const char* why = hmoe::mla_decode_declines(heads, page_size);
     return py::str(why == nullptr ? "" : why);
+  });
+#endif
+#if HMOE_HAS_mla_rope_append
+  HMOE_DEF(m, mla_rope_append, {
+    return hb::mla_rope_append_entry(q, kv, norm_weight, cos, sin, ckv_cache, kpe_cache, page_table, seq_lens, eps,
+                                     rope_layout);
   });
 #endif
 #if HMOE_HAS_ragged_prefill

@@ -22,57 +22,85 @@ struct MlaCall {
   TensorArg q_nope, out;  // out.obj is None when the entry allocates it
 };
 
-inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ckv_cache, py::handle kpe_cache,
-                               py::handle page_table, py::handle seq_lens, py::handle sm_scale, py::handle out) {
-  MlaCall c;
-  const TensorArg qn = tensor(q_nope, "q_nope", kHalves, 3, Where::kCuda);
+// The paged cache arguments mla_decode and mla_rope_append share, checked against the op's query
+// tensor `q` (its dtype, device and batch B).
+struct MlaCacheArgs {
+  TensorArg ckv, kpe, pt, lens;
+};
+
+inline MlaCacheArgs mla_cache_args(const TensorArg& q, int64_t B, py::handle ckv_cache, py::handle kpe_cache,
+                                   py::handle page_table, py::handle seq_lens) {
+  MlaCacheArgs c;
   const uint32_t i32 = dtypes({kI32});
-  const TensorArg qp = tensor(q_pe, "q_pe", kHalves, 3, Where::kCuda);
-  same_device(qn, qp);
-  const TensorArg ckv = tensor(ckv_cache, "ckv_cache", kHalves, 3, Where::kCuda);
-  same_device(qn, ckv);
-  const TensorArg kpe = tensor(kpe_cache, "kpe_cache", kHalves, 3, Where::kCuda);
-  same_device(qn, kpe);
-  const TensorArg pt = tensor(page_table, "page_table", i32, 2, Where::kCuda);
-  same_device(qn, pt);
-  const TensorArg lens = tensor(seq_lens, "seq_lens", i32, 1, Where::kCuda);
-  same_device(qn, lens);
-  for (const TensorArg* t : {&qp, &ckv, &kpe})
-    if (t->dtype != qn.dtype)
-      type_error(std::string(t->name) + " has dtype " + dtype_name(t->dtype) + ", q_nope " + dtype_name(qn.dtype) +
-                 ": they must match");
-  const int64_t B = qn.shape[0], H = qn.shape[1];
-  auto shape3 = [](int64_t a, int64_t b, int64_t d) {
-    return "(" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(d) + ")";
-  };
-  if (qn.shape[2] != kMlaDimCkv)
-    value_error("q_nope has shape " + qn.shape_str() + ": the last dimension must be " + std::to_string(kMlaDimCkv));
-  if (H < 1 || H > kMlaMaxHeads)
-    value_error("q_nope has " + std::to_string(H) + " heads; mla_decode supports 1 to " + std::to_string(kMlaMaxHeads));
-  if (qp.shape[0] != B || qp.shape[1] != H || qp.shape[2] != kMlaDimPe)
-    value_error("q_pe has shape " + qp.shape_str() + ", expected " + shape3(B, H, kMlaDimPe));
-  const int64_t P = ckv.shape[0], page = ckv.shape[1];
-  if (ckv.shape[2] != kMlaDimCkv)
-    value_error("ckv_cache has shape " + ckv.shape_str() + ": the last dimension must be " +
+  c.ckv = tensor(ckv_cache, "ckv_cache", kHalves, 3, Where::kCuda);
+  same_device(q, c.ckv);
+  c.kpe = tensor(kpe_cache, "kpe_cache", kHalves, 3, Where::kCuda);
+  same_device(q, c.kpe);
+  c.pt = tensor(page_table, "page_table", i32, 2, Where::kCuda);
+  same_device(q, c.pt);
+  c.lens = tensor(seq_lens, "seq_lens", i32, 1, Where::kCuda);
+  same_device(q, c.lens);
+  for (const TensorArg* t : {&c.ckv, &c.kpe})
+    if (t->dtype != q.dtype)
+      type_error(std::string(t->name) + " has dtype " + dtype_name(t->dtype) + ", " + q.name + " " +
+                 dtype_name(q.dtype) + ": they must match");
+  const int64_t P = c.ckv.shape[0], page = c.ckv.shape[1];
+  if (c.ckv.shape[2] != kMlaDimCkv)
+    value_error("ckv_cache has shape " + c.ckv.shape_str() + ": the last dimension must be " +
                 std::to_string(kMlaDimCkv));
-  if (page < 1 || P < 1) value_error("ckv_cache has shape " + ckv.shape_str() + ": no pages");
-  if (P * page > INT32_MAX)  // the kernel indexes cache rows with int32 (2.4 TB of bf16 latents)
+  if (page < 1 || P < 1) value_error("ckv_cache has shape " + c.ckv.shape_str() + ": no pages");
+  if (P * page > INT32_MAX)  // the kernels index cache rows with int32 (2.4 TB of bf16 latents)
     value_error("ckv_cache has " + std::to_string(P * page) + " token rows; mla_decode supports fewer than 2^31");
-  if (kpe.shape[0] != P || kpe.shape[1] != page || kpe.shape[2] != kMlaDimPe)
-    value_error("kpe_cache has shape " + kpe.shape_str() + ", expected " + shape3(P, page, kMlaDimPe));
-  const int64_t max_pages = pt.shape[1];
-  if (pt.shape[0] != B || max_pages < 1)
-    value_error("page_table has shape " + pt.shape_str() + ", expected [" + std::to_string(B) + ", max_pages >= 1]");
-  if (lens.shape[0] != B)
-    value_error("seq_lens has shape " + lens.shape_str() + ", expected (" + std::to_string(B) + ",)");
+  if (c.kpe.shape[0] != P || c.kpe.shape[1] != page || c.kpe.shape[2] != kMlaDimPe)
+    value_error("kpe_cache has shape " + c.kpe.shape_str() + ", expected (" + std::to_string(P) + ", " +
+                std::to_string(page) + ", " + std::to_string(kMlaDimPe) + ")");
+  const int64_t max_pages = c.pt.shape[1];
+  if (c.pt.shape[0] != B || max_pages < 1)
+    value_error("page_table has shape " + c.pt.shape_str() + ", expected [" + std::to_string(B) + ", max_pages >= 1]");
+  if (c.lens.shape[0] != B)
+    value_error("seq_lens has shape " + c.lens.shape_str() + ", expected (" + std::to_string(B) + ",)");
   if (B > kMlaMaxBatch)
-    value_error("q_nope has batch " + std::to_string(B) + "; mla_decode runs at most " + std::to_string(kMlaMaxBatch) +
-                " requests a call (the CUDA grid's limit): split the batch");
+    value_error(std::string(q.name) + " has batch " + std::to_string(B) + "; the MLA kernels run at most " +
+                std::to_string(kMlaMaxBatch) + " requests a call (the CUDA grid's limit): split the batch");
   if (max_pages * page > INT32_MAX || B * max_pages > INT32_MAX)
     value_error("page_table [" + std::to_string(B) + ", " + std::to_string(max_pages) + "] with page size " +
                 std::to_string(page) +
                 ": a request's capacity (max_pages * page_size) and the table (batch * "
                 "max_pages) must stay below 2^31");
+  return c;
+}
+
+// A ValueError unless `written` shares no byte with any of `read`: a kernel writes it while it reads them.
+inline void no_overlap(const TensorArg& written, std::initializer_list<const TensorArg*> read) {
+  const char* w0 = static_cast<const char*>(written.data);
+  for (const TensorArg* t : read) {
+    const char* t0 = static_cast<const char*>(t->data);
+    if (written.bytes() > 0 && t->bytes() > 0 && t0 < w0 + written.bytes() && w0 < t0 + t->bytes())
+      value_error(std::string(written.name) + " overlaps " + t->name +
+                  " in memory; the kernel would overwrite its own input: pass a separate tensor");
+  }
+}
+
+inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ckv_cache, py::handle kpe_cache,
+                               py::handle page_table, py::handle seq_lens, py::handle sm_scale, py::handle out) {
+  MlaCall c;
+  const TensorArg qn = tensor(q_nope, "q_nope", kHalves, 3, Where::kCuda);
+  const TensorArg qp = tensor(q_pe, "q_pe", kHalves, 3, Where::kCuda);
+  same_device(qn, qp);
+  if (qp.dtype != qn.dtype)
+    type_error(std::string("q_pe has dtype ") + dtype_name(qp.dtype) + ", q_nope " + dtype_name(qn.dtype) +
+               ": they must match");
+  const int64_t B = qn.shape[0], H = qn.shape[1];
+  if (qn.shape[2] != kMlaDimCkv)
+    value_error("q_nope has shape " + qn.shape_str() + ": the last dimension must be " + std::to_string(kMlaDimCkv));
+  if (H < 1 || H > kMlaMaxHeads)
+    value_error("q_nope has " + std::to_string(H) + " heads; mla_decode supports 1 to " + std::to_string(kMlaMaxHeads));
+  if (qp.shape[0] != B || qp.shape[1] != H || qp.shape[2] != kMlaDimPe)
+    value_error("q_pe has shape " + qp.shape_str() + ", expected (" + std::to_string(B) + ", " + std::to_string(H) +
+                ", " + std::to_string(kMlaDimPe) + ")");
+  const MlaCacheArgs cache = mla_cache_args(qn, B, ckv_cache, kpe_cache, page_table, seq_lens);
+  const TensorArg &ckv = cache.ckv, &kpe = cache.kpe, &pt = cache.pt, &lens = cache.lens;
+  const int64_t P = ckv.shape[0], page = ckv.shape[1], max_pages = pt.shape[1];
   for (const TensorArg* t : {&qn, &qp, &ckv, &kpe})
     if (reinterpret_cast<uintptr_t>(t->data) % 16)
       value_error(std::string(t->name) + " must start on a 16-byte boundary (it is a view at an odd offset)");
@@ -84,14 +112,7 @@ inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ck
         reinterpret_cast<uintptr_t>(o.data) % 16)
       value_error("out must be a 16-byte aligned [" + std::to_string(B) + ", " + std::to_string(H) + ", " +
                   std::to_string(kMlaDimCkv) + "] tensor on " + qn.device_str());
-    // The kernel writes out while it reads the inputs: no byte may be shared.
-    const char* o0 = static_cast<const char*>(o.data);
-    for (const TensorArg* t : {&qn, &qp, &ckv, &kpe, &pt, &lens}) {
-      const char* t0 = static_cast<const char*>(t->data);
-      if (o.bytes() > 0 && t->bytes() > 0 && t0 < o0 + o.bytes() && o0 < t0 + t->bytes())
-        value_error(std::string("out overlaps ") + t->name +
-                    " in memory; the kernel would overwrite its own input: pass a separate output tensor");
-    }
+    no_overlap(o, {&qn, &qp, &ckv, &kpe, &pt, &lens});  // written while they are read
   }
   MlaDecodeParams& p = c.p;
   p.q_nope = qn.data, p.q_pe = qp.data, p.ckv = ckv.data, p.kpe = kpe.data;

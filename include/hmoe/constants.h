@@ -6,7 +6,7 @@
 
 #define HMOE_CONSTANTS(X)                                                                        \
   /* the version of the entry points, params structs and codes below: bump on any change */      \
-  X(abi_version, 5)                                                                              \
+  X(abi_version, 6)                                                                              \
   /* dtype codes: what every native entry point calls a tensor's element type */                 \
   X(dtype_float32, 0)                                                                            \
   X(dtype_float16, 1)                                                                            \
@@ -33,6 +33,10 @@
   X(mla_loader_rows, 0)                                                                          \
   X(mla_loader_contig, 1)                                                                        \
   X(mla_loader_tma, 2)                                                                           \
+  /* mla_rope_append: rotary layouts (include/hmoe/mla_rope_append.h) */                         \
+  X(rope_layout_interleaved, 0)                                                                  \
+  X(rope_layout_half, 1)                                                                         \
+  X(rope_layout_interleaved_to_half, 2)                                                          \
   /* ragged_prefill, paged_prefill: the (q/k, v) head dimensions built, pair i */                \
   X(prefill_dim_qk_0, 192)                                                                       \
   X(prefill_dim_v_0, 128)                                                                        \

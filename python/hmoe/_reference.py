@@ -36,7 +36,12 @@ def unit_roundoff(dtype) -> float:
 #   form rounds q_abs, the attention output and its W_UV product where transformers rounds the
 #   expanded keys and values and the attention output; those differences pass through every layer
 #   and the head, as the patched model's do: 8 u.
-_ROUNDINGS = {"mla_decode": 3, "grouped_topk": 16, "hybrid_model_logits": 8, "absorbed_mla_logits": 8, "prefill": 3,
+#   mla_rope_append: the rope outputs are rounded once (u); the latent's RMSNorm rounds its normalised
+#   value and its product with the weight (2 u). mla_rope_append_same_rounding: against the reference
+#   that rounds there too, what is left is the value that lands on the other side of a rounding
+#   boundary because the kernel's fp32 sum of squares differs from fp64 in its last bits: 1 u.
+_ROUNDINGS = {"mla_decode": 3, "mla_rope_append": 2, "mla_rope_append_same_rounding": 1, "grouped_topk": 16,
+              "hybrid_model_logits": 8, "absorbed_mla_logits": 8, "prefill": 3,
               "prefill_same_rounding": 2}
 # lse is computed in fp32 from exact products: an absolute bound (a base-2 lse read as natural is
 # off by 30%, and lse here is 3 or more).
@@ -112,6 +117,45 @@ def mla_decode(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
             s = (q_nope[b].double() @ kv.T + q_pe[b].double() @ pe.T) * sm_scale
             lse[b], out[b] = torch.logsumexp(s, -1), torch.softmax(s, -1) @ kv
     return out.float(), lse.float()
+
+
+def rope_pairs(rope_layout: str, dim: int = 64):
+    """(a, b, o1, o2): the input and output positions of the rotary pairs of hmoe.ops.mla_rope_append's
+    rope_layout, as index lists of length dim / 2."""
+    half, i = dim // 2, list(range(dim // 2))
+    if rope_layout not in ("interleaved", "half", "interleaved_to_half"):
+        raise ValueError(f"rope_layout must be 'interleaved', 'half' or 'interleaved_to_half', got {rope_layout!r}")
+    a, b = ([2 * j for j in i], [2 * j + 1 for j in i]) if rope_layout != "half" else (i, [j + half for j in i])
+    o1, o2 = (a, b) if rope_layout == "interleaved" else (i, [j + half for j in i])
+    return a, b, o1, o2
+
+
+def mla_rope_append(q, kv, norm_weight, cos, sin, eps: float, rope_layout: str, *, compute=None,
+                    contract: bool = True):
+    """(q_pe [B, H, 64], latent [B, 512], k_pe [B, 64]): what hmoe.ops.mla_rope_append computes and
+    appends, in `compute` precision (default fp64). contract=True rounds to q's dtype where the op's
+    precision contract does (and returns q's dtype); False rounds nowhere (returns `compute`)."""
+    import torch
+
+    compute = compute or torch.float64
+    rnd = (lambda t: t.to(q.dtype).to(compute)) if contract else (lambda t: t)
+    d = cos.shape[-1]
+    a, b, o1, o2 = rope_pairs(rope_layout, d)
+    c, s_ = cos.to(compute), sin.to(compute)
+
+    def rope(x):  # x [..., d] in compute; cos/sin rows broadcast over the dims between
+        shape = (c.shape[0],) + (1,) * (x.dim() - 2) + (d,)
+        cc, ss = c.reshape(shape), s_.reshape(shape)
+        out = torch.empty_like(x)
+        out[..., o1] = x[..., a] * cc[..., o1] - x[..., b] * ss[..., o1]
+        out[..., o2] = x[..., b] * cc[..., o2] + x[..., a] * ss[..., o2]
+        return rnd(out)
+
+    R = norm_weight.shape[0]
+    latent = kv[:, :R].to(compute)
+    n = rnd(latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps))
+    out = (rope(q[..., q.shape[-1] - d:].to(compute)), rnd(norm_weight.to(compute) * n), rope(kv[:, R:].to(compute)))
+    return tuple(t.to(q.dtype) for t in out) if contract else out
 
 
 def _quantise_act(v, group: int):

@@ -34,13 +34,30 @@ def _counting(monkeypatch, name):
 def _teacher_forced(model, prompt, steps, **kw):
     """Logits of the prompt's prefill and of `steps` decode steps of each decoder, all fed the model
     attention's greedy tokens (so that both decode the same sequence)."""
+    mine, out, _ = _teacher_forced_routing(model, prompt, steps, **kw)
+    return mine, out
+
+
+def _teacher_forced_routing(model, prompt, steps, **kw):
+    """_teacher_forced, and for each pair whether the two decoders' routing differed in any MoE layer
+    (hmoe.nn's HybridMoE blocks count their routing on the device, inside graphs too; always False for
+    a model without them). A token routed to another expert goes through a different function: the
+    rounding differences of two attentions flip a close choice now and then, and that step's logits may
+    then differ by more than rounding."""
+    blocks = [b for b in model.modules() if isinstance(b, hn.HybridMoE)]
+    counts = lambda: [b.routing_counts.clone() for b in blocks]
     mine = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, **kw)
     theirs = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, capture=False, attention="model")
-    out = [(mine.prefill(prompt).clone(), theirs.prefill(prompt))]
+    out, flipped = [(mine.prefill(prompt).clone(), theirs.prefill(prompt))], [False]
     for _ in range(steps):
         nxt = out[-1][1].argmax(-1)
-        out.append((mine.step(nxt).clone(), theirs.step(nxt)))
-    return mine, out
+        c0 = counts()
+        a = mine.step(nxt).clone()
+        c1 = counts()
+        out.append((a, theirs.step(nxt)))
+        c2 = counts()
+        flipped.append(any(not torch.equal(y - x, z - y) for x, y, z in zip(c0, c1, c2)))
+    return mine, out, flipped
 
 
 @pytest.mark.parametrize("kind,kw", CONFIGS, ids=lambda c: str(c))
@@ -51,6 +68,9 @@ def test_absorbed_decode_matches_the_model_on_the_cpu(kind, kw, monkeypatch):
     dec, pairs = _teacher_forced(m, prompt, 12, capture=False, attention="hmoe")
     assert dec.attention == "hmoe" and "absorbed MLA decode of 3 attention modules" in dec.attention_reason
     assert len(calls) == 12 * 3  # every decode step of every layer ran absorbed; the prefill did not
+    assert dec._absorbed.appends == 12 * 3  # and appended through mla_rope_append's math
+    assert dec.attention_reason.endswith("cache append of 3 of 3 layers in one hmoe.ops.mla_rope_append each")
+    assert dec.cache.get_seq_length() == 5 + 12  # the cache's own count of its tokens is kept
     for mine, theirs in pairs:
         assert _rel(mine, theirs) <= _reference.tolerance("absorbed_mla_logits", torch.float32)
     assert all("forward" not in mod.__dict__ for mod in _mla.attention_modules(m))  # uninstalled after each step
@@ -66,6 +86,21 @@ def test_absorbed_decode_of_a_patched_model(monkeypatch):
     want = hn.GraphDecoder(m, batch_size=1, max_cache_len=30, capture=False, attention="model").generate(prompt, 16)
     got = hn.GraphDecoder(m, batch_size=1, max_cache_len=30, capture=False, attention="hmoe").generate(prompt, 16)
     assert torch.equal(got, want)
+
+
+def test_a_norm_it_does_not_know_keeps_the_modules_own_steps():
+    # One layer's latent norm replaced by torch's RMSNorm: that layer's steps use its own norm, rotary
+    # embedding and cache.update; the others go through mla_rope_append's math; the logits still match.
+    m = models.model("v2")
+    mod = _mla.attention_modules(m)[1]
+    norm = torch.nn.RMSNorm(mod.kv_lora_rank, eps=mod.kv_a_layernorm.variance_epsilon)
+    norm.weight.data.copy_(mod.kv_a_layernorm.weight)
+    mod.kv_a_layernorm = norm
+    prompt = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(4))
+    dec, pairs = _teacher_forced(m, prompt, 5, capture=False, attention="hmoe")
+    assert dec._absorbed.appends == 5 * 2 and "append of 2 of 3 layers" in dec.attention_reason
+    for mine, theirs in pairs:
+        assert _rel(mine, theirs) <= _reference.tolerance("absorbed_mla_logits", torch.float32)
 
 
 def test_an_instance_forward_set_before_is_kept():
@@ -131,11 +166,14 @@ def test_absorbed_decode_on_the_gpu_in_cuda_graphs(kind, dtype, patched, monkeyp
     prompt = torch.randint(0, 128, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     # attention="auto"; transformers' own routed experts (torch._grouped_mm with host offsets) cannot be
     # captured, so the original model decodes eagerly and the patched one in CUDA graphs
-    dec, pairs = _teacher_forced(m, prompt, 12, capture=patched)
+    dec, pairs, flipped = _teacher_forced_routing(m, prompt, 12, capture=patched)
     assert dec.attention == "hmoe" and "hmoe.ops.mla_decode" in dec.attention_reason
     assert (dec._graph is not None) == patched and dec._cache_len == 64 and not calls
+    assert dec.attention_reason.endswith("append of 3 of 3 layers in one hmoe.ops.mla_rope_append each")
     errs = [_rel(mine, theirs) for mine, theirs in pairs]
-    assert max(errs) <= _reference.tolerance("absorbed_mla_logits", dtype), errs
+    same = [e for e, f in zip(errs, flipped) if not f]  # steps whose routing matched (see _teacher_forced_routing)
+    assert len(same) >= len(errs) - 2 and max(same) <= _reference.tolerance("absorbed_mla_logits", dtype), \
+        (errs, flipped)
 
 
 @pytest.mark.gpu

@@ -11,10 +11,13 @@ the latents themselves: with kv_b_proj's weight viewed as [H, nope + v, R] = [W_
     o     = out W_UV^T                          [B, H, v], then o_proj
 
 which is the same attention (q_nope . k_nope = q_abs . latent, P V = (P latent) W_UV^T) with the rounding
-points of an MLA decode kernel instead of those of the expanded keys and values. The projections, the
-norms, the rotary embedding and the cache update are the module's own (the functions of its transformers
-version). On a CUDA device the attention is hmoe.ops.mla_decode over the static cache viewed as pages of
-PAGE tokens; on the CPU it is the same math in fp32 with torch (the reference the tests compare with).
+points of an MLA decode kernel instead of those of the expanded keys and values. The projections are the
+module's own. The latent's RMSNorm, the rotary embedding of q_pe and k_pe and the cache append run as one
+hmoe.ops.mla_rope_append where the module's are transformers' DeepSeek RMSNorm and rotary functions (their
+math, rounded once per value: see that op) and its cache layer holds the latents as static tensors;
+otherwise they are the module's own (the functions of its transformers version) and cache.update. On a
+CUDA device the attention is hmoe.ops.mla_decode over the static cache viewed as pages of PAGE tokens; on
+the CPU both ops are the same math in fp32 with torch (the reference the tests compare with).
 Only for aligned batches: every sequence of the batch has the same length and no padding (mla_decode
 attends to the first seq_lens tokens of each row and takes no mask), which GraphDecoder guarantees.
 """
@@ -25,6 +28,7 @@ import sys
 
 import torch
 
+from .. import _reference
 from ..ops import mla
 
 PAGE = 64  # tokens per page of the static cache viewed as mla_decode's paged cache
@@ -91,6 +95,46 @@ def _rope(m, q_pe, k_pe, position_embeddings):
     return mod.apply_rotary_pos_emb(q_pe, k_pe, cos, sin)
 
 
+def rope_layout(m) -> str | None:
+    """The hmoe.ops.mla_rope_append layout of the rotary embedding the module's modeling file applies
+    (None: a file whose functions hmoe does not know)."""
+    mod = sys.modules[type(m).__module__]
+    if hasattr(mod, "apply_rotary_emb"):  # DeepSeek-V2: x as complex pairs times the frequencies
+        return "interleaved"
+    if getattr(m.config, "rope_interleave", False):
+        return "interleaved_to_half" if hasattr(mod, "apply_rotary_pos_emb_interleave") else None
+    return "half" if hasattr(mod, "apply_rotary_pos_emb") else None
+
+
+def _rope_table(position_embeddings, layout: str, rows: int, dim: int):
+    """(cos, sin) [1 or rows, dim], the factor of each output position, from the model's position
+    embeddings (V2's complex frequencies [..., dim / 2], V3's cos and sin [..., dim]); None when they are
+    not shaped like that."""
+    if layout == "interleaved":
+        f = position_embeddings
+        if not (torch.is_tensor(f) and f.is_complex() and f.shape[-1] * 2 == dim):
+            return None
+        f = f.reshape(-1, dim // 2)
+        cos, sin = f.real.repeat_interleave(2, -1), f.imag.repeat_interleave(2, -1)
+    else:
+        if not (isinstance(position_embeddings, tuple) and len(position_embeddings) == 2):
+            return None
+        cos, sin = (t.reshape(-1, t.shape[-1]).contiguous() for t in position_embeddings)
+        if cos.shape[-1] != dim or sin.shape != cos.shape:
+            return None
+    return (cos, sin) if cos.shape[0] in (1, rows) else None
+
+
+def _norm_of(m):
+    """(weight, eps) of the module's latent RMSNorm when it is transformers' DeepSeek RMSNorm (or hmoe's
+    FusedRMSNorm of it), else None."""
+    norm = m.kv_a_layernorm
+    if type(norm).__name__ not in ("DeepseekV2RMSNorm", "DeepseekV3RMSNorm", "FusedRMSNorm"):
+        return None
+    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    return (w, float(eps)) if torch.is_tensor(w) and w.shape == (m.kv_lora_rank,) and eps is not None else None
+
+
 def _attend_cpu(q_abs, q_pe, keys, values, seq_lens, scale):
     """Softmax attention over the first seq_lens[b] latents of row b, in fp32 (the CPU path)."""
     ckv, kpe = keys[:, 0].float(), values[:, 0].float()  # [B, L, R], [B, L, rope]
@@ -111,6 +155,8 @@ class AbsorbedDecode:
         if self.cuda and cache_len % PAGE:
             raise ValueError(f"AbsorbedDecode: the static cache holds {cache_len} tokens, not a multiple of {PAGE}")
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.appends = 0  # layer steps whose inputs went through mla_rope_append (or its torch math)
+        self._counters = []  # the token counters of the cache layers appended to in this step
         if self.cuda:
             self.page_table = torch.arange(batch * cache_len // PAGE, dtype=torch.int32, device=device).view(batch, -1)
 
@@ -120,6 +166,7 @@ class AbsorbedDecode:
         every other call to the forward the module had: the class's, or an instance forward set before,
         which the block puts back)."""
         saved = [m.__dict__.get("forward") for m in self.modules]  # an instance forward someone else set
+        self._counters = []
         for m in self.modules:
             m.forward = self._forward_of(m)
         try:
@@ -130,6 +177,13 @@ class AbsorbedDecode:
                     m.__dict__.pop("forward", None)
                 else:
                     m.forward = f
+
+    def finish_step(self) -> None:
+        """Counts the step's token in the cache layers it appended to without cache.update (one kernel
+        for all of them); called at the end of each step's forward, inside any graph capture."""
+        if self._counters:
+            torch._foreach_add_(self._counters, 1)
+            self._counters = []
 
     def _forward_of(self, m):
         fallback = m.__dict__.get("forward") or type(m).forward.__get__(m)
@@ -143,26 +197,61 @@ class AbsorbedDecode:
 
         return forward
 
+    def _appended(self, m, q, kv, cache, position_embeddings):
+        """(q_pe [B, H, rope], keys, values) after the step's latent and k_pe went into the cache's keys
+        and values, in one hmoe.ops.mla_rope_append on CUDA (its math in fp32 torch on the CPU); None
+        where the module's norm, rotary embedding or cache are not the ones that op reproduces."""
+        layers = getattr(cache, "layers", ())
+        layer = layers[m.layer_idx] if m.layer_idx < len(layers) else None
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        B, R, rope = q.shape[0], m.kv_lora_rank, m.qk_rope_head_dim
+        norm, layout = _norm_of(m), rope_layout(m)
+        if norm is None or layout is None or not (torch.is_tensor(keys) and torch.is_tensor(values)):
+            return None
+        if keys.shape[:2] != (B, 1) or keys.shape[-1] != R or values.shape != keys.shape[:3] + (rope,) or \
+                not (keys.is_contiguous() and values.is_contiguous()):
+            return None
+        table = _rope_table(position_embeddings, layout, B, rope)
+        if table is None:
+            return None
+        counter = getattr(layer, "cumulative_length", None)  # transformers' static layers that count their tokens
+        if torch.is_tensor(counter):
+            self._counters.append(counter)
+        self.appends += 1
+        if self.cuda:
+            q_pe = mla.mla_rope_append(q, kv, norm[0], *table, keys.view(-1, PAGE, R), values.view(-1, PAGE, rope),
+                                       self.page_table, self.seq_lens, eps=norm[1], rope_layout=layout)
+        else:
+            q_pe, latent, k_pe = _reference.mla_rope_append(q, kv, norm[0], *table, norm[1], layout,
+                                                            compute=torch.float32)
+            rows, pos = torch.arange(B), self.seq_lens.long() - 1
+            keys[rows, 0, pos], values[rows, 0, pos] = latent, k_pe
+        return q_pe, keys, values
+
     def _step(self, m, h, cache, position_embeddings):
         B, H = h.shape[0], m.num_heads
         nope, rope, R, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
         q = m.q_proj(h) if getattr(m, "q_proj", None) is not None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(h)))
-        q = q.view(B, 1, H, nope + rope).transpose(1, 2)  # [B, H, 1, nope + rope]
-        q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
-        kv_nope, k_pe = torch.split(m.kv_a_proj_with_mqa(h), [R, rope], dim=-1)
-        kv_nope = m.kv_a_layernorm(kv_nope).view(B, 1, 1, R)
-        q_pe, k_pe = _rope(m, q_pe, k_pe.view(B, 1, 1, rope), position_embeddings)
-        keys, values = cache.update(kv_nope, k_pe, m.layer_idx)
+        q = q.view(B, H, nope + rope)
+        kv = m.kv_a_proj_with_mqa(h).view(B, R + rope)
+        appended = self._appended(m, q, kv, cache, position_embeddings)
+        if appended is None:  # the module's own norm, rotary embedding and cache update
+            kv_nope, k_pe = torch.split(kv, [R, rope], dim=-1)
+            kv_nope = m.kv_a_layernorm(kv_nope).view(B, 1, 1, R)
+            q_pe, k_pe = _rope(m, q[..., nope:].unsqueeze(2), k_pe.view(B, 1, 1, rope), position_embeddings)
+            q_pe = q_pe.reshape(B, H, rope)
+            keys, values = cache.update(kv_nope, k_pe, m.layer_idx)
+        else:
+            q_pe, keys, values = appended
         if keys.dim() != 4 or keys.shape[1] != 1 or keys.shape[-1] != R or values.shape[-1] != rope:
             raise RuntimeError(f"hmoe absorbed MLA decode: layer {m.layer_idx}'s cache holds keys {tuple(keys.shape)} "
                                f"and values {tuple(values.shape)}, not the latents [B, 1, L, {R}] and [B, 1, L, {rope}] "
                                "this transformers version was expected to cache; use GraphDecoder(attention='model')")
         w = m.kv_b_proj.weight.view(H, nope + dv, R)
-        q_abs = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, R]
-        q_pe = q_pe.reshape(B, H, rope)
+        q_abs = torch.matmul(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [B, H, R]
         if self.cuda:
             out = mla.mla_decode(q_abs.contiguous(), q_pe.contiguous(), keys.view(-1, PAGE, R),
-                             values.view(-1, PAGE, rope), self.page_table, self.seq_lens, sm_scale=m.scaling)
+                                 values.view(-1, PAGE, rope), self.page_table, self.seq_lens, sm_scale=m.scaling)
         else:
             out = _attend_cpu(q_abs, q_pe, keys, values, self.seq_lens, m.scaling)
         o = torch.matmul(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, B, v]

@@ -34,7 +34,9 @@ class GraphDecoder:
     CPU; transformers' own attention instead expands the whole cache through kv_b_proj at every step.
     "model": the model's own attention. "auto" (default): "hmoe" where it runs (a DeepSeek MLA model on
     a CUDA device with those dimensions), else "model". self.attention says which, and
-    self.attention_reason why. The prompt (prefill) always runs the model's own attention. On CUDA with
+    self.attention_reason why (after the first step, also in how many layers hmoe.ops.mla_rope_append
+    prepared the attention's inputs: where the module's latent norm and rotary embedding are transformers'
+    DeepSeek ones). The prompt (prefill) always runs the model's own attention. On CUDA with
     "hmoe", the static cache is max_cache_len rounded up to a multiple of 64 tokens (mla_decode's pages).
     """
 
@@ -71,6 +73,8 @@ class GraphDecoder:
     def _forward(self, ids, pos, mask):
         out = self.model(input_ids=ids, past_key_values=self.cache, cache_position=pos, attention_mask=mask,
                          use_cache=True)
+        if self._absorbed is not None:
+            self._absorbed.finish_step()
         return out.logits[:, -1]
 
     def _set_mask(self, mask, queries: int, start: int) -> None:
@@ -113,6 +117,9 @@ class GraphDecoder:
                 _staging.wake()  # CPU experts on doorbells: their threads poll busily from now
                 self._graph.replay()
                 logits = self._logits
+        if self._steps == 0 and self._absorbed is not None:  # what the first step's layers ran (the graph's too)
+            self.attention_reason += (f"; the latent norm, rotary embedding and cache append of {self._absorbed.appends} "
+                                      f"of {len(self._absorbed.modules)} layers in one hmoe.ops.mla_rope_append each")
         self._steps += 1
         self.length += 1
         return logits

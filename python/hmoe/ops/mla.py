@@ -10,6 +10,9 @@ are exact and accumulate in fp32; the softmax runs in fp32 (base 2, with sm_scal
 folded into the scores); the probabilities P are rounded to q's dtype before P V (the
 tensor-core input format); splits of a long sequence are merged in fp32; the output is
 rounded once to q's dtype. L = 0 gives out = 0 and lse = -inf.
+
+hmoe.ops.mla_rope_append prepares a decode step's inputs of that cache in one kernel: the rotary
+embedding of the query's rope part, and the step's latent (RMSNorm) and roped key appended to the pages.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ D_CKV, D_PE = _C["mla_dim_ckv"], _C["mla_dim_pe"]
 MAX_HEADS, MAX_BATCH = _C["mla_max_heads"], _C["mla_max_batch"]
 LOADERS = {_C["mla_loader_rows"]: "cp.async rows", _C["mla_loader_contig"]: "cp.async", _C["mla_loader_tma"]: "tma"}
 FALLBACK = "portable"  # the family that serves every shape: it runs what another family declines
+ROPE_LAYOUTS = ("interleaved", "half", "interleaved_to_half")  # mla_rope_append's rope_layout
 _routes: dict = {}
 
 
@@ -184,3 +188,35 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     config, tma = _overrides(None, None)
     return mod.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
                           config, tma)
+
+
+def mla_rope_append(q, kv, norm_weight, cos, sin, ckv_cache, kpe_cache, page_table, seq_lens, *, eps, rope_layout):
+    """One MLA decode step's inputs in one kernel: returns q_pe [B, H, 64], the rotary embedding of
+    q's rope part, and appends the step's token to the paged cache mla_decode reads.
+
+    q [B, H, nope + 64] (the query projection per head: nope dims, then the rope part), kv [B, 512 + 64]
+    (the compressed latent, then k_pe), norm_weight [512], all bf16 or fp16 alike; cos and sin [1, 64] or
+    [B, 64] (float32, float16 or bfloat16, both alike), the factor of each output position;
+    ckv_cache, kpe_cache, page_table and seq_lens as mla_decode takes them (seq_lens[b] counts this
+    step's token). All on one CUDA device and contiguous. Runs asynchronously on the current stream and
+    can be captured in a CUDA graph (after hmoe.prewarm or one eager call).
+
+    rope_layout (ROPE_LAYOUTS) says where a rotary pair (a, b) of the input lies and where it goes:
+    "interleaved" a = 2i, b = 2i + 1, written there (DeepSeek-V2's complex rotation); "half" a = i,
+    b = i + 32, written there (rotate_half); "interleaved_to_half" a = 2i, b = 2i + 1, written to
+    i and i + 32 (DeepSeek-V3 with rope_interleave). out[o1] = x[a] cos[o1] - x[b] sin[o1] and
+    out[o2] = x[b] cos[o2] + x[a] sin[o2].
+
+    Precision contract: fp32 math. The rope outputs are rounded once to q's dtype. The latent is
+    transformers' DeepSeek RMSNorm: latent * rsqrt(mean(latent^2) + eps) with an fp32 mean, rounded to
+    the dtype, times norm_weight, rounded again. Written at token L - 1 (L = seq_lens[b]) of request b:
+    row (L - 1) % page_size of page page_table[b, (L - 1) // page_size] of ckv_cache (the latent) and
+    kpe_cache (k_pe). Index safety as mla_decode's: nothing is written for a request with L < 1,
+    L > max_pages * page_size, or a page id outside [0, P) (the kernel never writes outside the cache).
+    """
+    index = _cuda.cuda_index(q)
+    if index < 0:  # not a plain CUDA tensor: say what is wrong with it
+        V.tensor("q", q, ndim=3, dtypes=V.half_dtypes(), device="cuda")
+        raise AssertionError("unreachable: q passed the checks of a CUDA tensor")
+    return _cuda.module(index, "mla_rope_append").mla_rope_append(
+        q, kv, norm_weight, cos, sin, ckv_cache, kpe_cache, page_table, seq_lens, eps, rope_layout)
