@@ -17,6 +17,9 @@
 #ifndef HMOE_HAS_mla_rope_append
 #define HMOE_HAS_mla_rope_append 0
 #endif
+#ifndef HMOE_HAS_decode_linear
+#define HMOE_HAS_decode_linear 0
+#endif
 #ifndef HMOE_HAS_ragged_prefill
 #define HMOE_HAS_ragged_prefill 0
 #endif
@@ -33,6 +36,9 @@
 #if HMOE_HAS_mla_rope_append
 #include "mla/mla_rope_append_entry.h"
 #endif
+#if HMOE_HAS_decode_linear
+#include "linear/decode_linear_entry.h"
+#endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
 #include "prefill/prefill_entry.h"
 #endif
@@ -46,6 +52,7 @@ bool has_op(const char* op) {
   return std::strcmp(op, "cuda") == 0 || (HMOE_HAS_grouped_topk && std::strcmp(op, "grouped_topk") == 0) ||
          (HMOE_HAS_mla_decode && std::strcmp(op, "mla_decode") == 0) ||
          (HMOE_HAS_mla_rope_append && std::strcmp(op, "mla_rope_append") == 0) ||
+         (HMOE_HAS_decode_linear && std::strcmp(op, "decode_linear") == 0) ||
          (HMOE_HAS_ragged_prefill && std::strcmp(op, "ragged_prefill") == 0) ||
          (HMOE_HAS_paged_prefill && std::strcmp(op, "paged_prefill") == 0);
 }
@@ -67,6 +74,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 #endif
 #if HMOE_HAS_mla_rope_append
     hmoe::mla_rope_append_prewarm(device);
+#endif
+#if HMOE_HAS_decode_linear
+    hmoe::decode_linear_prewarm(device);
 #endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
     hmoe::prefill_prewarm(device);
@@ -106,6 +116,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     return hb::mla_rope_append_entry(q, kv, norm_weight, cos, sin, ckv_cache, kpe_cache, page_table, seq_lens, eps,
                                      rope_layout);
   });
+#endif
+#if HMOE_HAS_decode_linear
+  HMOE_DEF(m, decode_linear, { return hb::decode_linear_entry(x, weight, fp32_out); });
 #endif
 #if HMOE_HAS_ragged_prefill
   HMOE_DEF(m, ragged_prefill_check, { hb::ragged_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, out); });

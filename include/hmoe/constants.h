@@ -37,6 +37,8 @@
   X(rope_layout_interleaved, 0)                                                                  \
   X(rope_layout_half, 1)                                                                         \
   X(rope_layout_interleaved_to_half, 2)                                                          \
+  /* decode_linear: the most rows of x a call takes */                                           \
+  X(decode_linear_max_rows, 16)                                                                  \
   /* ragged_prefill, paged_prefill: the (q/k, v) head dimensions built, pair i */                \
   X(prefill_dim_qk_0, 192)                                                                       \
   X(prefill_dim_v_0, 128)                                                                        \

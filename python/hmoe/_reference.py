@@ -43,6 +43,11 @@ def unit_roundoff(dtype) -> float:
 _ROUNDINGS = {"mla_decode": 3, "mla_rope_append": 2, "mla_rope_append_same_rounding": 1, "grouped_topk": 16,
               "hybrid_model_logits": 8, "absorbed_mla_logits": 8, "prefill": 3,
               "prefill_same_rounding": 2}
+#   decode_linear: exact products summed in fp32 and one rounding to the output dtype: u for 16-bit
+#   outputs, with room for the fp32 sums: 2 u. An fp32 output is the fp32 sum of K exact products (the
+#   summation order's error, about sqrt(K) fp32 units, 3e-6 at K = 2048): _DECODE_LINEAR_FP32.
+_ROUNDINGS["decode_linear"] = 2
+_DECODE_LINEAR_FP32 = 1e-5
 # lse is computed in fp32 from exact products: an absolute bound (a base-2 lse read as natural is
 # off by 30%, and lse here is 3 or more).
 MLA_LSE_ATOL = 1e-2
@@ -96,6 +101,8 @@ def tolerance(op: str, dtype, *, w_dtype=None, contract: bool = True) -> float:
         elif w in ("int8", "int4"):
             tol += 8 * _U_I8
         return tol
+    if op == "decode_linear" and _name(dtype) == "float32":
+        return _DECODE_LINEAR_FP32
     if op == "moe_experts_vs_torch_loop":
         return max(_EXPERTS_TORCH_LOOP[_name(dtype)], _EXPERTS_TORCH_LOOP[_name(w_dtype)])
     return _ROUNDINGS[op] * unit_roundoff(dtype)

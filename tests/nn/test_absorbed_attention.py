@@ -38,25 +38,51 @@ def _teacher_forced(model, prompt, steps, **kw):
     return mine, out
 
 
-def _teacher_forced_routing(model, prompt, steps, **kw):
-    """_teacher_forced, and for each pair whether the two decoders' routing differed in any MoE layer
-    (hmoe.nn's HybridMoE blocks count their routing on the device, inside graphs too; always False for
-    a model without them). A token routed to another expert goes through a different function: the
-    rounding differences of two attentions flip a close choice now and then, and that step's logits may
-    then differ by more than rounding."""
+def _routing_probe(model):
+    """A function that returns what the model's MoE routing chose since its previous call: hmoe.nn's
+    HybridMoE blocks count their routing on the device (inside graphs too); transformers' own blocks are
+    read through a hook on their gate (eager calls), whose output ends with the top-k expert ids."""
     blocks = [b for b in model.modules() if isinstance(b, hn.HybridMoE)]
-    counts = lambda: [b.routing_counts.clone() for b in blocks]
+    if blocks:
+        state = [[b.routing_counts.clone() for b in blocks]]
+
+        def counts():
+            now = [b.routing_counts.clone() for b in blocks]
+            delta = [n - s for n, s in zip(now, state[0])]
+            state[0] = now
+            return delta
+
+        return counts
+    seen = []
+    for block in models.moe_blocks(model):
+        block.gate.register_forward_hook(
+            lambda mod, args, out: seen.append(out[-1].sort(-1).values.clone()) if isinstance(out, tuple) else None)
+
+    def hooked():
+        out = list(seen)
+        seen.clear()
+        return out
+
+    return hooked
+
+
+def _teacher_forced_routing(model, prompt, steps, **kw):
+    """_teacher_forced, and for each pair whether the two decoders' routing differed in any MoE layer.
+    A token routed to another expert goes through a different function: the rounding differences of two
+    attentions flip a close choice now and then, and that step's logits may then differ by more than
+    rounding."""
+    probe = _routing_probe(model)
     mine = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, **kw)
     theirs = hn.GraphDecoder(model, batch_size=prompt.shape[0], max_cache_len=40, capture=False, attention="model")
     out, flipped = [(mine.prefill(prompt).clone(), theirs.prefill(prompt))], [False]
     for _ in range(steps):
         nxt = out[-1][1].argmax(-1)
-        c0 = counts()
+        probe()
         a = mine.step(nxt).clone()
-        c1 = counts()
+        routed = probe()
         out.append((a, theirs.step(nxt)))
-        c2 = counts()
-        flipped.append(any(not torch.equal(y - x, z - y) for x, y, z in zip(c0, c1, c2)))
+        other = probe()
+        flipped.append(len(routed) != len(other) or any(not torch.equal(x, y) for x, y in zip(routed, other)))
     return mine, out, flipped
 
 

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from .. import _reference
-from ..ops import mla
+from ..ops import linear, mla
 
 PAGE = 64  # tokens per page of the static cache viewed as mla_decode's paged cache
 _LATENT_MODULE_ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj", "kv_lora_rank",
@@ -125,6 +125,20 @@ def _rope_table(position_embeddings, layout: str, rows: int, dim: int):
     return (cos, sin) if cos.shape[0] in (1, rows) else None
 
 
+def _linear(lin, x):
+    """lin(x) for a decode step's x [B, 1, K]: through hmoe.ops.decode_linear on a CUDA device where it
+    applies (a bias-free nn.Linear in x's 16-bit dtype, B <= its row limit, K a multiple of 8), a library
+    matmul otherwise."""
+    B, K, w = x.shape[0], x.shape[-1], lin.weight
+    if (x.is_cuda and type(lin) is torch.nn.Linear and lin.bias is None and w.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and B <= linear.MAX_ROWS and K % 8 == 0
+            and w.is_contiguous() and w.data_ptr() % 16 == 0):
+        x2 = x.reshape(B, K)
+        if x2.is_contiguous() and x2.data_ptr() % 16 == 0:
+            return linear.decode_linear(x2, w).view(B, 1, -1)
+    return lin(x)
+
+
 def _norm_of(m):
     """(weight, eps) of the module's latent RMSNorm when it is transformers' DeepSeek RMSNorm (or hmoe's
     FusedRMSNorm of it), else None."""
@@ -157,6 +171,7 @@ class AbsorbedDecode:
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.appends = 0  # layer steps whose inputs went through mla_rope_append (or its torch math)
         self._counters = []  # the token counters of the cache layers appended to in this step
+        self._table = (None, None, None)  # (the model's position embeddings, layout, their rope table)
         if self.cuda:
             self.page_table = torch.arange(batch * cache_len // PAGE, dtype=torch.int32, device=device).view(batch, -1)
 
@@ -211,7 +226,9 @@ class AbsorbedDecode:
         if keys.shape[:2] != (B, 1) or keys.shape[-1] != R or values.shape != keys.shape[:3] + (rope,) or \
                 not (keys.is_contiguous() and values.is_contiguous()):
             return None
-        table = _rope_table(position_embeddings, layout, B, rope)
+        if self._table[0] is not position_embeddings or self._table[1] != layout:  # once per step, not per layer
+            self._table = (position_embeddings, layout, _rope_table(position_embeddings, layout, B, rope))
+        table = self._table[2]
         if table is None:
             return None
         counter = getattr(layer, "cumulative_length", None)  # transformers' static layers that count their tokens
@@ -231,9 +248,12 @@ class AbsorbedDecode:
     def _step(self, m, h, cache, position_embeddings):
         B, H = h.shape[0], m.num_heads
         nope, rope, R, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
-        q = m.q_proj(h) if getattr(m, "q_proj", None) is not None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(h)))
+        if getattr(m, "q_proj", None) is not None:
+            q = _linear(m.q_proj, h)
+        else:
+            q = _linear(m.q_b_proj, m.q_a_layernorm(_linear(m.q_a_proj, h)))
         q = q.view(B, H, nope + rope)
-        kv = m.kv_a_proj_with_mqa(h).view(B, R + rope)
+        kv = _linear(m.kv_a_proj_with_mqa, h).view(B, R + rope)
         appended = self._appended(m, q, kv, cache, position_embeddings)
         if appended is None:  # the module's own norm, rotary embedding and cache update
             kv_nope, k_pe = torch.split(kv, [R, rope], dim=-1)
@@ -255,4 +275,4 @@ class AbsorbedDecode:
         else:
             out = _attend_cpu(q_abs, q_pe, keys, values, self.seq_lens, m.scaling)
         o = torch.matmul(out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, B, v]
-        return m.o_proj(o.transpose(0, 1).reshape(B, 1, H * dv))
+        return _linear(m.o_proj, o.transpose(0, 1).reshape(B, 1, H * dv))

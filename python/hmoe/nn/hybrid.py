@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, quant as hquant
-from ..ops import library
+from ..ops import library, linear
 from .experts import CPUExperts
 
 _SCORINGS = ("softmax", "sigmoid")
@@ -138,9 +138,15 @@ class HybridMoE(torch.nn.Module):
     def route(self, x):
         """(weights fp32 [T, top_k], ids int32 [T, top_k]) for x [T, H], on x's device. The logits are fp32
         sums of exact products: x and the router weight in fp32, or, on a GPU with both in the same 16-bit
-        dtype, a 16-bit matmul that accumulates and writes fp32 (one kernel instead of a cast and two)."""
+        dtype, a 16-bit matmul that accumulates and writes fp32 (one kernel instead of a cast and two):
+        hmoe.ops.decode_linear for a decode step's few tokens, torch's matmul for more."""
         w = self.gate_weight
-        if _MM_OUT_DTYPE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+        half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+        if half and x.shape[0] <= linear.MAX_ROWS and x.shape[1] % 8 == 0 and x.is_contiguous() and \
+                w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and \
+                not torch.compiler.is_compiling():  # a decode step's few tokens
+            logits = linear.decode_linear(x, w, out_dtype=torch.float32)
+        elif _MM_OUT_DTYPE and half:
             logits = torch.mm(x, w.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x.float(), self._gate_fp32())
