@@ -20,6 +20,9 @@
 #ifndef HMOE_HAS_decode_linear
 #define HMOE_HAS_decode_linear 0
 #endif
+#ifndef HMOE_HAS_rms_norm
+#define HMOE_HAS_rms_norm 0
+#endif
 #ifndef HMOE_HAS_ragged_prefill
 #define HMOE_HAS_ragged_prefill 0
 #endif
@@ -39,6 +42,9 @@
 #if HMOE_HAS_decode_linear
 #include "linear/decode_linear_entry.h"
 #endif
+#if HMOE_HAS_rms_norm
+#include "norm/rms_norm_entry.h"
+#endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
 #include "prefill/prefill_entry.h"
 #endif
@@ -53,6 +59,7 @@ bool has_op(const char* op) {
          (HMOE_HAS_mla_decode && std::strcmp(op, "mla_decode") == 0) ||
          (HMOE_HAS_mla_rope_append && std::strcmp(op, "mla_rope_append") == 0) ||
          (HMOE_HAS_decode_linear && std::strcmp(op, "decode_linear") == 0) ||
+         (HMOE_HAS_rms_norm && std::strcmp(op, "rms_norm") == 0) ||
          (HMOE_HAS_ragged_prefill && std::strcmp(op, "ragged_prefill") == 0) ||
          (HMOE_HAS_paged_prefill && std::strcmp(op, "paged_prefill") == 0);
 }
@@ -77,6 +84,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 #endif
 #if HMOE_HAS_decode_linear
     hmoe::decode_linear_prewarm(device);
+#endif
+#if HMOE_HAS_rms_norm
+    hmoe::rms_norm_prewarm(device);
 #endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
     hmoe::prefill_prewarm(device);
@@ -119,6 +129,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 #endif
 #if HMOE_HAS_decode_linear
   HMOE_DEF(m, decode_linear, { return hb::decode_linear_entry(x, weight, fp32_out); });
+#endif
+#if HMOE_HAS_rms_norm
+  HMOE_DEF(m, rms_norm, { return hb::rms_norm_entry(x, weight, eps); });
 #endif
 #if HMOE_HAS_ragged_prefill
   HMOE_DEF(m, ragged_prefill_check, { hb::ragged_prefill_args(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, out); });

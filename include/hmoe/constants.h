@@ -39,6 +39,8 @@
   X(rope_layout_interleaved_to_half, 2)                                                          \
   /* decode_linear: the most rows of x a call takes */                                           \
   X(decode_linear_max_rows, 16)                                                                  \
+  /* rms_norm: the longest row a call takes */                                                   \
+  X(rms_norm_max_dim, 8192)                                                                      \
   /* ragged_prefill, paged_prefill: the (q/k, v) head dimensions built, pair i */                \
   X(prefill_dim_qk_0, 192)                                                                       \
   X(prefill_dim_v_0, 128)                                                                        \

@@ -50,6 +50,7 @@
   (tensor, q), (tensor, kv), (tensor, norm_weight), (tensor, cos), (tensor, sin), (tensor, ckv_cache), \
       (tensor, kpe_cache), (tensor, page_table), (tensor, seq_lens), (float, eps), (str, rope_layout)
 #define HMOE_ARGS_decode_linear (tensor, x), (tensor, weight), (bool, fp32_out)
+#define HMOE_ARGS_rms_norm (tensor, x), (tensor, weight), (float, eps)
 #define HMOE_ARGS_ragged_prefill_check                                                                                \
   (tensor, q), (tensor, k), (tensor, v), (tensor, qo_indptr), (tensor, kv_indptr), (float, sm_scale), (bool, causal), \
       (tensor_or_none, out)
@@ -92,6 +93,7 @@
   X(cuda, mla_decode, mla_decode_declines, "str", HMOE_ARGS_mla_decode_declines)                               \
   X(cuda, mla_rope_append, mla_rope_append, "q_pe", HMOE_ARGS_mla_rope_append)                                 \
   X(cuda, decode_linear, decode_linear, "y", HMOE_ARGS_decode_linear)                                          \
+  X(cuda, rms_norm, rms_norm, "y", HMOE_ARGS_rms_norm)                                                         \
   X(cuda, ragged_prefill, ragged_prefill_check, "None", HMOE_ARGS_ragged_prefill_check)                        \
   X(cuda, ragged_prefill, ragged_prefill, "out | (out, lse)", HMOE_ARGS_ragged_prefill)                        \
   X(cuda, ragged_prefill, ragged_prefill_plan,                                                                 \

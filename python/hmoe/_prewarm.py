@@ -33,7 +33,7 @@ def prewarm(device=None) -> None:
     from .ops import _cuda, mla
 
     index = _cuda.device_index(torch, device)
-    for op in ("grouped_topk", "mla_decode", "mla_rope_append", "decode_linear", "ragged_prefill", "paged_prefill"):
+    for op in ("grouped_topk", "mla_decode", "mla_rope_append", "decode_linear", "rms_norm", "ragged_prefill", "paged_prefill"):
         _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
     # mla_decode runs the shapes its selected family declines on the fallback family (mla.route)
     _cuda.prewarm(index, _cuda.select("mla_decode", index, mla.FALLBACK, own=True).module)

@@ -47,6 +47,11 @@ _ROUNDINGS = {"mla_decode": 3, "mla_rope_append": 2, "mla_rope_append_same_round
 #   outputs, with room for the fp32 sums: 2 u. An fp32 output is the fp32 sum of K exact products (the
 #   summation order's error, about sqrt(K) fp32 units, 3e-6 at K = 2048): _DECODE_LINEAR_FP32.
 _ROUNDINGS["decode_linear"] = 2
+#   rms_norm: the normalised row rounded, then its product with the weight (transformers' rounding
+#   points): 2 u against fp64 without rounding; against the reference that rounds there too, the value
+#   that lands on the other side of a boundary because the fp32 sum of squares differs from fp64: 1 u.
+_ROUNDINGS["rms_norm"] = 2
+_ROUNDINGS["rms_norm_same_rounding"] = 1
 _DECODE_LINEAR_FP32 = 1e-5
 # lse is computed in fp32 from exact products: an absolute bound (a base-2 lse read as natural is
 # off by 30%, and lse here is 3 or more).
@@ -163,6 +168,19 @@ def mla_rope_append(q, kv, norm_weight, cos, sin, eps: float, rope_layout: str, 
     n = rnd(latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps))
     out = (rope(q[..., q.shape[-1] - d:].to(compute)), rnd(norm_weight.to(compute) * n), rope(kv[:, R:].to(compute)))
     return tuple(t.to(q.dtype) for t in out) if contract else out
+
+
+def rms_norm(x, weight, eps: float, *, contract: bool = True):
+    """hmoe.ops.rms_norm in fp64: weight * (x * rsqrt(mean(x^2) + eps)), rounded to x's dtype where its
+    contract (transformers' RMSNorm) rounds when contract=True (returned in x's dtype), nowhere otherwise
+    (returned in fp64)."""
+    import torch
+
+    v = x.double()
+    n = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    if not contract:
+        return weight.double() * n
+    return (weight.double() * n.to(x.dtype).double()).to(x.dtype)
 
 
 def _quantise_act(v, group: int):
