@@ -112,10 +112,52 @@ def prefill_selftest(device: str):
     return ok, f"{sel.variant} {sel.target}: {detail}"
 
 
+def decode_step_selftest(device: str):
+    """The decode step's small kernels (bf16): decode_linear (fp32 out), rms_norm and mla_rope_append
+    (V3's rope_interleave layout, a shuffled page table) against their fp64 references."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from .. import _reference
+    from ..ops import _cuda, decode_linear, mla_rope_append, rms_norm
+
+    g = torch.Generator().manual_seed(4)
+    bf = torch.bfloat16
+    x, w = torch.randn(2, 512, generator=g).to(bf), torch.randn(96, 512, generator=g).to(bf)
+    checks = [("decode_linear", decode_linear(x.to(device), w.to(device), out_dtype=torch.float32).cpu(),
+               x.double() @ w.double().T, _reference.tolerance("decode_linear", torch.float32))]
+    nw = (1 + 0.2 * torch.randn(512, generator=g)).to(bf)
+    checks.append(("rms_norm", rms_norm(x.to(device), nw.to(device), eps=1e-6).cpu(),
+                   _reference.rms_norm(x, nw, 1e-6, contract=False), _reference.tolerance("rms_norm", bf)))
+    q, kv = torch.randn(2, 16, 192, generator=g).to(bf), torch.randn(2, 576, generator=g).to(bf)
+    angle = torch.rand(1, 64, generator=g) * 6
+    pt = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    lens = torch.tensor([70, 5], dtype=torch.int32)
+    ckv, kpe = torch.zeros(4, 64, 512, dtype=bf, device=device), torch.zeros(4, 64, 64, dtype=bf, device=device)
+    q_pe = mla_rope_append(q.to(device), kv.to(device), nw.to(device), angle.cos().to(device),
+                           angle.sin().to(device), ckv, kpe, pt.to(device), lens.to(device), eps=1e-6,
+                           rope_layout="interleaved_to_half").cpu()
+    want = _reference.mla_rope_append(q, kv, nw, angle.cos(), angle.sin(), 1e-6, "interleaved_to_half",
+                                      contract=False)
+    rows = [0 * 64 + 5, 1 * 64 + 4]  # token 69 of request 0 (page 0, slot 5), token 4 of request 1 (page 1)
+    got = torch.cat([q_pe.flatten(), ckv.view(-1, 512)[rows].cpu().flatten(), kpe.view(-1, 64)[rows].cpu().flatten()])
+    checks.append(("mla_rope_append", got, torch.cat([t.flatten() for t in want]),
+                   _reference.tolerance("mla_rope_append", bf)))
+    oks, details = [], []
+    for name, g_, w_, tol in checks:
+        ok, detail = _normwise(g_, w_, tol)
+        oks.append(ok)
+        details.append(f"{name} {detail}")
+    sel = _cuda.select("mla_rope_append", _cuda.device_index(torch, torch.device(device)))
+    return all(oks), f"{sel.variant} {sel.target}: " + "; ".join(details)
+
+
 SELFTESTS["experts"] = experts_selftest
 SELFTESTS["grouped_topk"] = grouped_topk_selftest
 SELFTESTS["mla_decode"] = mla_decode_selftest
 SELFTESTS["ragged_prefill"] = prefill_selftest
+SELFTESTS["decode_step"] = decode_step_selftest
 
 
 def run(devices) -> list[dict]:
