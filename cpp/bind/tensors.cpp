@@ -231,6 +231,22 @@ void same_device(const TensorArg& a, const TensorArg& b) {
                 ": all inputs must share a device");
 }
 
+void aligned16(std::initializer_list<const TensorArg*> tensors) {
+  for (const TensorArg* t : tensors)
+    if (reinterpret_cast<uintptr_t>(t->data) % 16)
+      value_error(std::string(t->name) + " must start on a 16-byte boundary (it is a view at an odd offset)");
+}
+
+void no_overlap(const TensorArg& written, std::initializer_list<const TensorArg*> read) {
+  const char* w0 = static_cast<const char*>(written.data);
+  for (const TensorArg* t : read) {
+    const char* t0 = static_cast<const char*>(t->data);
+    if (written.bytes() > 0 && t->bytes() > 0 && t0 < w0 + written.bytes() && w0 < t0 + t->bytes())
+      value_error(std::string(written.name) + " overlaps " + t->name +
+                  " in memory; the kernel would overwrite its own input: pass a separate tensor as " + written.name);
+  }
+}
+
 py::object empty(std::initializer_list<int64_t> shape, int32_t dtype, int32_t device, void** data) {
   require_bound();
   int64_t dims[kMaxDims];

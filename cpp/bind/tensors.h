@@ -72,4 +72,10 @@ void* current_stream(int32_t device);
 // Both arguments on the same device, else a ValueError naming them.
 void same_device(const TensorArg& a, const TensorArg& b);
 
+// A ValueError unless each tensor starts on a 16-byte boundary (the kernels' vector loads and stores).
+void aligned16(std::initializer_list<const TensorArg*> tensors);
+
+// A ValueError unless `written` shares no byte with any of `read`: a kernel writes it while it reads them.
+void no_overlap(const TensorArg& written, std::initializer_list<const TensorArg*> read);
+
 }  // namespace hmoe::bind

@@ -28,9 +28,7 @@ inline py::object decode_linear_entry(py::handle x, py::handle weight, py::handl
     value_error("x has " + std::to_string(K) + " columns; decode_linear takes a positive multiple of 8");
   if (N < 1 || N > INT32_MAX || K > INT32_MAX)
     value_error("weight has shape " + tw.shape_str() + "; decode_linear takes 1 to 2^31 - 1 rows and columns");
-  for (const TensorArg* t : {&tx, &tw})
-    if (reinterpret_cast<uintptr_t>(t->data) % 16)
-      value_error(std::string(t->name) + " must start on a 16-byte boundary (it is a view at an odd offset)");
+  aligned16({&tx, &tw});
   DecodeLinearParams p{};
   p.x = tx.data, p.weight = tw.data;
   p.m = int32_t(M), p.n = int32_t(N), p.k = int32_t(K), p.dtype = tx.dtype;

@@ -70,17 +70,6 @@ inline MlaCacheArgs mla_cache_args(const TensorArg& q, int64_t B, py::handle ckv
   return c;
 }
 
-// A ValueError unless `written` shares no byte with any of `read`: a kernel writes it while it reads them.
-inline void no_overlap(const TensorArg& written, std::initializer_list<const TensorArg*> read) {
-  const char* w0 = static_cast<const char*>(written.data);
-  for (const TensorArg* t : read) {
-    const char* t0 = static_cast<const char*>(t->data);
-    if (written.bytes() > 0 && t->bytes() > 0 && t0 < w0 + written.bytes() && w0 < t0 + t->bytes())
-      value_error(std::string(written.name) + " overlaps " + t->name +
-                  " in memory; the kernel would overwrite its own input: pass a separate tensor");
-  }
-}
-
 inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ckv_cache, py::handle kpe_cache,
                                py::handle page_table, py::handle seq_lens, py::handle sm_scale, py::handle out) {
   MlaCall c;
@@ -101,9 +90,7 @@ inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ck
   const MlaCacheArgs cache = mla_cache_args(qn, B, ckv_cache, kpe_cache, page_table, seq_lens);
   const TensorArg &ckv = cache.ckv, &kpe = cache.kpe, &pt = cache.pt, &lens = cache.lens;
   const int64_t P = ckv.shape[0], page = ckv.shape[1], max_pages = pt.shape[1];
-  for (const TensorArg* t : {&qn, &qp, &ckv, &kpe})
-    if (reinterpret_cast<uintptr_t>(t->data) % 16)
-      value_error(std::string(t->name) + " must start on a 16-byte boundary (it is a view at an odd offset)");
+  aligned16({&qn, &qp, &ckv, &kpe});
   c.p.sm_scale = float_arg(sm_scale, "sm_scale");
   if (!out.is_none()) {
     c.out = tensor(out, "out", dtypes({qn.dtype}), 3, Where::kCuda);

@@ -25,9 +25,7 @@ inline py::object rms_norm_entry(py::handle x, py::handle weight, py::handle eps
     value_error("x has rows of " + std::to_string(dim) + " values; rms_norm takes multiples of 8 up to " +
                 std::to_string(k::rms_norm_max_dim));
   if (rows > INT32_MAX) value_error("x has " + std::to_string(rows) + " rows; rms_norm takes fewer than 2^31");
-  for (const TensorArg* t : {&tx, &tw})
-    if (reinterpret_cast<uintptr_t>(t->data) % 16)
-      value_error(std::string(t->name) + " must start on a 16-byte boundary (it is a view at an odd offset)");
+  aligned16({&tx, &tw});
   RmsNormParams p{};
   p.eps = float_arg(eps, "eps");
   if (!(p.eps >= 0.f)) value_error("eps must be >= 0, got " + py::repr(eps).cast<std::string>());

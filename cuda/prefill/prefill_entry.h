@@ -69,14 +69,7 @@ inline void prefill_common(PrefillCall& c, std::initializer_list<const TensorArg
         reinterpret_cast<uintptr_t>(o.data) % 16)
       value_error("out must be a 16-byte aligned " + shape_of({Tq, H, Dv}) + " tensor on " + q.device_str() + ", got " +
                   o.shape_str() + " on " + o.device_str());
-    // The kernel writes out while it reads the inputs: no byte may be shared.
-    const char* o0 = static_cast<const char*>(o.data);
-    for (const TensorArg* t : all) {
-      const char* t0 = static_cast<const char*>(t->data);
-      if (o.bytes() > 0 && t->bytes() > 0 && t0 < o0 + o.bytes() && o0 < t0 + t->bytes())
-        value_error(std::string("out overlaps ") + t->name +
-                    " in memory; the kernel would overwrite its own input: pass a separate output tensor");
-    }
+    no_overlap(o, all);  // written while they are read
   }
   PrefillParams& p = c.p;
   p.q = q.data, p.k = k.data, p.v = v.data;
