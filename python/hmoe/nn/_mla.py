@@ -126,16 +126,12 @@ def _rope_table(position_embeddings, layout: str, rows: int, dim: int):
 
 
 def _linear(lin, x):
-    """lin(x) for a decode step's x [B, 1, K]: through hmoe.ops.decode_linear on a CUDA device where it
-    applies (a bias-free nn.Linear in x's 16-bit dtype, B <= its row limit, K a multiple of 8), a library
-    matmul otherwise."""
-    B, K, w = x.shape[0], x.shape[-1], lin.weight
-    if (x.is_cuda and type(lin) is torch.nn.Linear and lin.bias is None and w.dtype == x.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and B <= linear.MAX_ROWS and K % 8 == 0
-            and w.is_contiguous() and w.data_ptr() % 16 == 0):
-        x2 = x.reshape(B, K)
-        if x2.is_contiguous() and x2.data_ptr() % 16 == 0:
-            return linear.decode_linear(x2, w).view(B, 1, -1)
+    """lin(x) for a decode step's x [B, 1, K]: through hmoe.ops.decode_linear where it applies (a bias-free
+    nn.Linear, linear.applies), a library matmul otherwise."""
+    if type(lin) is torch.nn.Linear and lin.bias is None:
+        x2 = x.reshape(x.shape[0], x.shape[-1])
+        if linear.applies(x2, lin.weight):
+            return linear.decode_linear(x2, lin.weight).view(x.shape[0], 1, -1)
     return lin(x)
 
 

@@ -142,9 +142,7 @@ class HybridMoE(torch.nn.Module):
         hmoe.ops.decode_linear for a decode step's few tokens, torch's matmul for more."""
         w = self.gate_weight
         half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-        if half and x.shape[0] <= linear.MAX_ROWS and x.shape[1] % 8 == 0 and x.is_contiguous() and \
-                w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and \
-                not torch.compiler.is_compiling():  # a decode step's few tokens
+        if linear.applies(x, w):  # a decode step's few tokens
             logits = linear.decode_linear(x, w, out_dtype=torch.float32)
         elif _MM_OUT_DTYPE and half:
             logits = torch.mm(x, w.t(), out_dtype=torch.float32)

@@ -12,6 +12,18 @@ __all__ = ["decode_linear"]
 MAX_ROWS = spec.constants()["decode_linear_max_rows"]
 
 
+def applies(x, weight) -> bool:
+    """Whether decode_linear takes x and weight as they are (the callers that fall back to a library
+    matmul otherwise ask this): both on a CUDA device in one 16-bit dtype, x [M <= MAX_ROWS, K] and
+    weight [N, K] contiguous and 16-byte aligned, K a multiple of 8; never under torch.compile, which
+    traces the library matmul instead."""
+    torch = V.torch_module()
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.dim() == 2 and weight.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] % 8 == 0
+            and weight.shape[1] == x.shape[1] and x.is_contiguous() and weight.is_contiguous()
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and not torch.compiler.is_compiling())
+
+
 def decode_linear(x, weight, *, out_dtype=None):
     """x [M, K] @ weight[N, K]^T -> [M, N] for 0 <= M <= MAX_ROWS (16) rows: weight in nn.Linear's
     layout, x and weight both bf16 or both fp16, contiguous, on one CUDA device, K a multiple of 8.
