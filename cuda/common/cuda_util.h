@@ -57,6 +57,11 @@ __device__ __forceinline__ __half from_float<__half>(float v) {
   return __float2half_rn(v);
 }
 
+// A 16-bit (or fp32) value as a float: exact.
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
 // One conversion instruction for the pair (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b);

@@ -19,10 +19,6 @@ constexpr int kHeads = 8;      // heads a q block ropes: 8 x 32 pairs, 2 a threa
 constexpr int kPairs = kMlaDimPe / 2;
 static_assert(kMlaDimCkv == 4 * kThreads, "the latent is read 4 values a thread");
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
 // Input and output positions of rotary pair i (include/hmoe/mla_rope_append.h).
 struct Pair {
   int a, b, o1, o2;

@@ -21,17 +21,6 @@ constexpr int kMaxDim = kThreads * kChunks * 8;
 static_assert(kMaxDim == k::rms_norm_max_dim, "constants.h says how long a row may be");
 
 template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_f(__half v) {
-  return __half2float(v);
-}
-
-template <typename T>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(RmsNormParams p) {
   const int t = threadIdx.x, chunks = p.dim / 8;
   const uint4* x = static_cast<const uint4*>(p.x) + int64_t(blockIdx.x) * chunks;
@@ -44,7 +33,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(RmsNormParams p) {
     v[i] = c < chunks ? x[c] : uint4{0, 0, 0, 0};
     const T* e = reinterpret_cast<const T*>(&v[i]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) ss += to_f(e[j]) * to_f(e[j]);
+    for (int j = 0; j < 8; ++j) ss += to_float(e[j]) * to_float(e[j]);
   }
   __shared__ float warp_ss[kThreads / 32];
   ss = warp_sum(ss);
@@ -64,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(RmsNormParams p) {
     uint4 out;
     T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = from_float<T>(to_f(we[j]) * to_f(from_float<T>(to_f(e[j]) * inv)));
+    for (int j = 0; j < 8; ++j) o[j] = from_float<T>(to_float(we[j]) * to_float(from_float<T>(to_float(e[j]) * inv)));
     y[c] = out;
   }
 }
