@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -26,7 +27,11 @@ def parse_args(argv, prog):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--batches", default="1,8", help="decode batch sizes (default 1,8)")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens, batch 1 (default 512; 0: skip)")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size (default 16)")
+    p.add_argument("--steps", type=int, default=8,
+                   help="timed decode steps per round, each row and batch size (default 8)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds per row: a block of --steps decode steps, then as many of the CPU experts alone "
+                        "(default 4)")
     p.add_argument("--prompt", type=int, default=16,
                    help="prompt tokens before the timed decode steps, the context they attend to (default 16)")
     p.add_argument("--baseline-steps", type=int, default=3, help="timed decode steps of the baseline (default 3)")
@@ -41,9 +46,9 @@ def parse_args(argv, prog):
         opts.batches = [int(b) for b in opts.batches.split(",") if b]
     except ValueError:
         p.error(f"--batches must be comma-separated integers, got {opts.batches!r}")
-    if (not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prefill < 0 or opts.baseline_steps < 1
-            or opts.prompt < 1):
-        p.error("--batches, --steps, --baseline-steps and --prompt must be positive, --prefill >= 0")
+    if (not opts.batches or min(opts.batches) < 1 or min(opts.steps, opts.rounds, opts.baseline_steps, opts.prompt) < 1
+            or opts.prefill < 0):
+        p.error("--batches, --steps, --rounds, --baseline-steps and --prompt must be positive, --prefill >= 0")
     from hmoe.nn._staging import HANDOVERS
 
     opts.handovers = [h for h in opts.handovers.split(",") if h]
@@ -81,29 +86,40 @@ def _host_run_seconds(model) -> float:
     return 1e-6 * sum(sum(b.host_run_times()) for b in model.modules() if isinstance(b, hn.HybridMoE))
 
 
-def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int,
-                attention: str = "auto", prompt_len: int = 16) -> tuple[float, float, str]:
-    """(seconds per decode step, seconds of it the CPU experts ran inside host jobs, what ran the
-    attention: GraphDecoder.attention_reason) for `batch` sequences after a prefill of prompt_len
-    tokens (hmoe.nn.GraphDecoder: static cache; with capture, steps replay one CUDA graph; `attention`
-    as GraphDecoder's). The host waits for the steps through GraphDecoder.synchronize (asleep: a
-    spinning wait takes a core from the CPU experts)."""
-    import hmoe.nn as hn
+class DecodeRun:
+    """Decode steps of `batch` sequences after a prefill of prompt_len tokens (hmoe.nn.GraphDecoder:
+    static cache, room for `steps` more; with capture, steps replay one CUDA graph; `attention` as
+    GraphDecoder's), timed in blocks: block(n) -> (seconds per step, seconds of it the CPU experts ran
+    inside host jobs). The host waits for the steps through GraphDecoder.synchronize (asleep: a
+    spinning wait takes a core from the CPU experts). `reason` is GraphDecoder.attention_reason."""
 
-    dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=prompt_len + steps + 4, capture=capture,
-                          attention=attention)
-    g = torch.Generator().manual_seed(batch)
-    prompt = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
-    nxt = dec.prefill(prompt).argmax(-1)
-    for _ in range(2):  # eager warm-up, then the capture (and its first replay)
-        nxt = dec.step(nxt).argmax(-1)
-    dec.synchronize()
-    _host_run_seconds(model)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        nxt = dec.step(nxt).argmax(-1)
-    dec.synchronize()
-    return (time.perf_counter() - t0) / steps, _host_run_seconds(model) / steps, dec.attention_reason
+    def __init__(self, torch, model, batch: int, steps: int, capture: bool, device, vocab: int,
+                 attention: str = "auto", prompt_len: int = 16):
+        import hmoe.nn as hn
+
+        self.model = model
+        self.dec = hn.GraphDecoder(model, batch_size=batch, max_cache_len=prompt_len + steps + 4,
+                                   capture=capture, attention=attention)
+        g = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
+        self.nxt = self.dec.prefill(prompt).argmax(-1)
+        self.block(2)  # eager warm-up, then the capture (and its first replay)
+        self.reason = self.dec.attention_reason
+
+    def block(self, steps: int) -> tuple[float, float]:
+        self.dec.synchronize()
+        _host_run_seconds(self.model)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.nxt = self.dec.step(self.nxt).argmax(-1)
+        self.dec.synchronize()
+        return (time.perf_counter() - t0) / steps, _host_run_seconds(self.model) / steps
+
+
+def decode_rate(torch, model, batch: int, steps: int, capture: bool, device, vocab: int,
+                attention: str = "auto", prompt_len: int = 16) -> float:
+    """Seconds per decode step over one block of `steps` (DecodeRun)."""
+    return DecodeRun(torch, model, batch, steps, capture, device, vocab, attention, prompt_len).block(steps)[0]
 
 
 def prefill_seconds(torch, model, tokens: int, device, vocab: int, repeats: int = 2) -> float:
@@ -122,28 +138,47 @@ def prefill_seconds(torch, model, tokens: int, device, vocab: int, repeats: int 
     return best
 
 
-def cpu_experts_alone(torch, model, batch: int, repeats: int = 3) -> tuple[float, float]:
-    """(seconds, distinct experts per layer) of the CPU experts of every layer for one decode step of
-    `batch` tokens with random routing, called directly (no GPU, no copies)."""
-    import hmoe.nn as hn
+class ExpertsAlone:
+    """The CPU experts of every layer for one decode step of `batch` tokens with random routing, called
+    directly (no GPU, no copies): block(n) -> seconds per step over n steps; `distinct` = distinct
+    experts per layer."""
 
-    blocks = [m for m in model.modules() if isinstance(m, hn.HybridMoE)]
-    g = torch.Generator().manual_seed(batch)
-    calls, distinct = [], 0
-    for b in blocks:
-        E, K = b.experts.num_experts, b.top_k
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(batch)]).to(torch.int32)
-        w = torch.rand(batch, K, generator=g)
-        x = torch.randn(batch, b.hidden_size, generator=g).to(b.gate_weight.dtype)
-        calls.append((b.experts, x, ids, w))
-        distinct += ids.unique().numel()
-    best = float("inf")
-    for _ in range(repeats):
+    def __init__(self, torch, model, batch: int):
+        import hmoe.nn as hn
+
+        blocks = [m for m in model.modules() if isinstance(m, hn.HybridMoE)]
+        g = torch.Generator().manual_seed(batch)
+        self.calls, distinct = [], 0
+        for b in blocks:
+            E, K = b.experts.num_experts, b.top_k
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(batch)]).to(torch.int32)
+            w = torch.rand(batch, K, generator=g)
+            x = torch.randn(batch, b.hidden_size, generator=g).to(b.gate_weight.dtype)
+            self.calls.append((b.experts, x, ids, w))
+            distinct += ids.unique().numel()
+        self.distinct = distinct / max(1, len(blocks))
+        self.block(1)  # warm-up
+
+    def block(self, steps: int) -> float:
         t0 = time.perf_counter()
-        for experts, x, ids, w in calls:
-            experts(x, ids, w)
-        best = min(best, time.perf_counter() - t0)
-    return best, distinct / max(1, len(blocks))
+        for _ in range(steps):
+            for experts, x, ids, w in self.calls:
+                experts(x, ids, w)
+        return (time.perf_counter() - t0) / steps
+
+
+def paired(run: DecodeRun, alone: ExpertsAlone, rounds: int, steps: int) -> dict:
+    """`rounds` rounds of a block of `steps` decode steps, each followed by a block of as many steps of
+    the CPU experts alone: the host's drift (its load, the experts' own speed) moves both blocks of a
+    round alike, so each round gives a ratio, and the medians over the rounds are the result."""
+    step, inside, solo, ratio = [], [], [], []
+    for _ in range(rounds):
+        s, i = run.block(steps)
+        a = alone.block(steps)
+        step.append(s), inside.append(i), solo.append(a), ratio.append(s / a)
+    return {"s": statistics.median(step), "inside_s": statistics.median(inside),
+            "alone_s": statistics.median(solo), "ratio": statistics.median(ratio),
+            "ratio_range": (min(ratio), max(ratio))}
 
 
 def graph_row(how: str, opts) -> str:
@@ -169,7 +204,7 @@ def baseline(torch, opts, dtype, device, vocab: int) -> dict:
     with torch.no_grad():
         for batch in opts.batches[:1]:
             out["decode_s"][batch] = decode_rate(torch, model, batch, opts.baseline_steps, False, device, vocab,
-                                                 attention="model", prompt_len=opts.prompt)[0]
+                                                 attention="model", prompt_len=opts.prompt)
         if opts.prefill:
             out["prefill_s"] = prefill_seconds(torch, model, opts.prefill, device, vocab, repeats=1)
     del model
@@ -211,17 +246,25 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
     with torch.no_grad():
         for batch in opts.batches:
             progress(f"decode batch {batch}")
-            cpu_s, distinct = cpu_experts_alone(torch, model, batch)
-            bound_s = moe_layers * distinct * expert_bytes / (read["gbps"] * 1e9)
-            entry = {"cpu_experts_alone_s": cpu_s, "distinct_experts_per_layer": distinct, "bound_s": bound_s}
+            alone = ExpertsAlone(torch, model, batch)
+            bound_s = moe_layers * alone.distinct * expert_bytes / (read["gbps"] * 1e9)
+            entry = {"distinct_experts_per_layer": alone.distinct, "bound_s": bound_s}
             modes = [("eager", False, opts.handovers[0], "auto")]
             if device.type == "cuda":
                 modes += [(graph_row(h, opts), True, h, "auto") for h in opts.handovers]
                 modes.append((MODEL_ATTENTION, True, opts.handovers[0], "model"))
+            solo = []
             for name, capture, how, attention in modes:
                 with handover(how):
-                    entry[name], entry[f"{name} cpu experts inside"], entry[f"{name} attention"] = decode_rate(
-                        torch, model, batch, opts.steps, capture, device, vocab, attention, opts.prompt)
+                    run = DecodeRun(torch, model, batch, opts.rounds * opts.steps, capture, device, vocab, attention,
+                                    opts.prompt)
+                    res = paired(run, alone, opts.rounds, opts.steps)
+                entry[name], entry[f"{name} cpu experts inside"] = res["s"], res["inside_s"]
+                entry[f"{name} / cpu experts alone"], entry[f"{name} ratio range"] = res["ratio"], res["ratio_range"]
+                entry[f"{name} attention"] = run.reason
+                solo.append(res["alone_s"])
+                del run
+            entry["cpu_experts_alone_s"] = statistics.median(solo)
             result["decode"][batch] = entry
         if opts.prefill:
             progress(f"prefill {opts.prefill} tokens")
@@ -248,7 +291,11 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
         print(f"hand-over of the CPU experts: {opts.handovers[0]} (HMOE_CPU_HANDOVER; the rows 'cuda graph, <name>' "
               "use another); cpu inside = the CPU experts' own run time inside the step; the rest of the step is "
               "the GPU's serial work between layers and the hand-over to and from the CPU")
-    head = f"{'decode':<30}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}{'cpu inside':>12}"
+    print(f"each decode row: {opts.rounds} rounds of {opts.steps} steps, each round followed by as many steps of the "
+          "CPU experts alone (direct calls, random routing); medians over the rounds: ms/step, / cpu experts (the "
+          "ratio of each round's two blocks), cpu inside; 'rounds' = the lowest and highest round ratio")
+    head = (f"{'decode':<30}{'tok/s':>10}{'ms/step':>10}{'% bound':>9}{'x base':>9}{'/ cpu experts':>15}"
+            f"{'rounds':>16}{'cpu inside':>12}")
     print(head + "\n" + "-" * len(head))
     for batch, e in result["decode"].items():
         b_s = base.get("decode_s", {}).get(batch)
@@ -258,7 +305,8 @@ def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
                 rows.append(name)
                 inside = e[f"{name} cpu experts inside"]
                 print(f"{f'hmoe {name}, B={batch}':<30}{batch / s:>10.2f}{s * 1e3:>10.2f}{100 * e['bound_s'] / s:>8.1f}%"
-                      f"{(f'{b_s / s:.1f}x' if b_s else '-'):>9}{s / e['cpu_experts_alone_s']:>14.2f}x"
+                      f"{(f'{b_s / s:.1f}x' if b_s else '-'):>9}{e[f'{name} / cpu experts alone']:>14.2f}x"
+                      f"{'{:.2f}-{:.2f}x'.format(*e[f'{name} ratio range']):>16}"
                       f"{(f'{inside * 1e3:.2f} ms' if inside else '-'):>12}")
         print(f"{f'CPU experts alone B={batch}':<30}{batch / e['cpu_experts_alone_s']:>10.2f}"
               f"{e['cpu_experts_alone_s'] * 1e3:>10.2f}{100 * e['bound_s'] / e['cpu_experts_alone_s']:>8.1f}%")
