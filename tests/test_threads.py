@@ -65,6 +65,30 @@ def test_os_fork_child_runs_cpu_ops(two_threads):
     assert torch.equal(experts(x, ids, w), want)  # the parent's pool is untouched
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a process allowed on at least two cores")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_forked_child_counts_its_own_cores(monkeypatch):
+    # The default thread count (the cores this process may use) is asked once per process: a child
+    # confined to one core after the fork asks again, and the parent keeps its count.
+    import hmoe._threads as threads
+
+    monkeypatch.setattr(threads, "_num_threads", None)
+    monkeypatch.delenv("HMOE_NUM_THREADS", raising=False)
+    before = hmoe.get_num_threads()
+    assert before == len(os.sched_getaffinity(0))
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+            code = 0 if hmoe.get_num_threads() == 1 else 2
+        finally:
+            os._exit(code)
+    assert _wait(pid) == 0
+    assert hmoe.get_num_threads() == before
+
+
 _POOL_STATE = {}
 
 

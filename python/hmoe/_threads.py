@@ -10,19 +10,27 @@ from . import _env
 MAX_THREADS = 1024
 
 _num_threads: int | None = None
-_cores: tuple[int, int] | None = None  # (pid, usable cores): asked once per process (a syscall)
+_cores: int | None = None  # usable cores: asked once per process (a syscall), again in a forked child
+
+
+def _forget_cores() -> None:
+    global _cores
+    _cores = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_cores)
 
 
 def _usable_cores() -> int:
     global _cores
-    pid = os.getpid()
-    if _cores is None or _cores[0] != pid:
+    if _cores is None:
         try:
             n = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             n = os.cpu_count() or 1
-        _cores = (pid, max(1, n))
-    return _cores[1]
+        _cores = max(1, n)
+    return _cores
 
 
 def _checked(n, source: str) -> int:
