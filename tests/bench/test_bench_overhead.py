@@ -10,6 +10,7 @@ from hmoe.bench import overhead as bench  # noqa: E402
 DIRECT = ("grouped_topk", "moe_experts_cpu", "CPUExperts")
 CUSTOM = {"torch.ops.hmoe.grouped_topk": "grouped_topk", "torch.ops.hmoe.moe_experts_cpu": "moe_experts_cpu",
           "torch.ops.hmoe.cpu_experts_packed": "CPUExperts"}
+FLOOR = "torch dispatcher, no-op kernel"  # what torch's dispatcher alone costs a Python kernel
 
 
 def test_cpu_rows_table_and_json(tmp_path, capsys):
@@ -18,7 +19,8 @@ def test_cpu_rows_table_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = {r["op"]: r for r in json.loads(path.read_text())["rows"]}
-    assert set(rows) == set(DIRECT) | set(CUSTOM)
+    assert set(rows) == set(DIRECT) | set(CUSTOM) | {FLOOR}
+    assert rows[FLOOR]["goal"] is None and "grouped_topk's schema" in rows[FLOOR]["shape"]
     for r in rows.values():
         assert r["device"] == "cpu" and r["calls"] == 6 and 0 < r["us_min"] <= r["us"], r
         assert "error" not in r and r["verdict"] in out

@@ -66,15 +66,17 @@ def profile_top(fn, calls: int, top: int) -> str:
 _noop_lib = None
 
 
-def _noop_op(torch, name: str, args: str):
-    """An op in the namespace hmoe_bench with `args` (a schema's argument list) whose CUDA kernel returns its
-    first argument: what torch's dispatcher costs a Python kernel of that schema, nothing else."""
+def _noop_op(torch, name: str, args: str, key: str):
+    """An op in the namespace hmoe_bench with `args` (a schema's argument list) whose kernel for dispatch key
+    `key` (CPU, CUDA) returns its first argument, with torch's fallthrough at Autograd as hmoe.ops.library
+    registers: what torch's dispatcher costs a Python kernel of that schema, nothing else."""
     global _noop_lib
     if _noop_lib is None:
         _noop_lib = torch.library.Library("hmoe_bench", "DEF")
     if not hasattr(torch.ops.hmoe_bench, name):
         _noop_lib.define(f"{name}{args} -> Tensor")
-        _noop_lib.impl(name, lambda first, *rest: first, "CUDA")
+        _noop_lib.impl(name, lambda first, *rest: first, key)
+        _noop_lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
     return getattr(torch.ops.hmoe_bench, name).default
 
 
@@ -103,6 +105,10 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
              lambda: library.moe_experts_cpu(x, ids, w, w13, w2, None), None, ("custom", "moe_experts_cpu")),
             ("torch.ops.hmoe.cpu_experts_packed", "cpu", "as CPUExperts",
              lambda: library.cpu_experts_op(experts, x, ids, w), None, ("custom", "CPUExperts"))]
+    noop_cpu = _noop_op(torch, "grouped_topk_cpu", library._TOPK_ARGS, "CPU")
+    out.append(("torch dispatcher, no-op kernel", "cpu", "a Python kernel that returns router_logits, grouped_topk's "
+                "schema: the floor of any torch.ops path", lambda: noop_cpu(logits, 6, 8, 3, "sigmoid", bias, True, 2.5),
+                None, None))
     if device is None:
         return out
     dev = torch.device(device)
@@ -125,7 +131,7 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     out.append(("torch.ops.hmoe.mla_decode", device, "as mla_decode",
                 lambda: library.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
                 ("custom", "mla_decode")))
-    noop = _noop_op(torch, "mla_decode", library._MLA_ARGS)
+    noop = _noop_op(torch, "mla_decode", library._MLA_ARGS, "CUDA")
     out.append(("torch dispatcher, no-op kernel", device, "a Python kernel that returns q_nope, mla_decode's schema: "
                 "the floor of any torch.ops path", lambda: noop(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
                 None))

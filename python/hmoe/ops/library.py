@@ -110,10 +110,10 @@ def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias,
             router_logits.new_empty((T, top_k), dtype=torch.int32))
 
 
-grouped_topk = _define(
-    "grouped_topk(Tensor router_logits, int top_k, int n_group, int topk_group, str scoring, Tensor? bias, "
-    "bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)",
-    {"CPU": _grouped_topk_cpu, "CUDA": _grouped_topk}, _grouped_topk_fake)
+_TOPK_ARGS = ("(Tensor router_logits, int top_k, int n_group, int topk_group, str scoring, Tensor? bias, "
+              "bool renormalize, float routed_scaling_factor)")
+grouped_topk = _define("grouped_topk" + _TOPK_ARGS + " -> (Tensor, Tensor)",
+                       {"CPU": _grouped_topk_cpu, "CUDA": _grouped_topk}, _grouped_topk_fake)
 
 
 def _experts_out(x, topk_ids, topk_weights, H):
