@@ -165,9 +165,7 @@ class FusedRMSNorm(torch.nn.Module):
 
     def forward(self, hidden_states):
         x, w = hidden_states, self.weight
-        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.is_contiguous()
-                and x.shape[-1] % 8 == 0 and x.shape[-1] <= norm.MAX_DIM and x.data_ptr() % 16 == 0
-                and w.data_ptr() % 16 == 0 and not torch.compiler.is_compiling()):
+        if norm.applies(x, w):
             return norm.rms_norm(x, w, eps=self.variance_epsilon)
         return w * torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
 

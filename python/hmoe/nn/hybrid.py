@@ -141,10 +141,9 @@ class HybridMoE(torch.nn.Module):
         dtype, a 16-bit matmul that accumulates and writes fp32 (one kernel instead of a cast and two):
         hmoe.ops.decode_linear for a decode step's few tokens, torch's matmul for more."""
         w = self.gate_weight
-        half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
         if linear.applies(x, w):  # a decode step's few tokens
             logits = linear.decode_linear(x, w, out_dtype=torch.float32)
-        elif _MM_OUT_DTYPE and half:
+        elif _MM_OUT_DTYPE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
             logits = torch.mm(x, w.t(), out_dtype=torch.float32)
         else:
             logits = F.linear(x.float(), self._gate_fp32())

@@ -11,6 +11,17 @@ __all__ = ["rms_norm"]
 MAX_DIM = spec.constants()["rms_norm_max_dim"]
 
 
+def applies(x, weight) -> bool:
+    """Whether rms_norm takes x and weight as they are (the callers that fall back to torch otherwise ask
+    this): both on a CUDA device in one 16-bit dtype, x contiguous with a last dimension that is a
+    multiple of 8 up to MAX_DIM, both 16-byte aligned; never under torch.compile, which traces torch's
+    rms_norm instead."""
+    torch = V.torch_module()
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.is_contiguous() and x.dim() >= 1 and x.shape[-1] % 8 == 0 and x.shape[-1] <= MAX_DIM
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and not torch.compiler.is_compiling())
+
+
 def rms_norm(x, weight, *, eps):
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension: x [..., D] and weight [D] both
     bf16 or both fp16, contiguous, on one CUDA device, D a multiple of 8 up to MAX_DIM (8192). Returns
