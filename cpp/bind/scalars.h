@@ -40,6 +40,13 @@ inline float float_arg(py::handle v, const std::string& name) {
   return float(x);
 }
 
+// float_arg that is also >= 0 (an epsilon).
+inline float nonnegative_float_arg(py::handle v, const std::string& name) {
+  const float x = float_arg(v, name);
+  if (!(x >= 0.f)) value_error(name + " must be >= 0, got " + py::repr(v).cast<std::string>());
+  return x;
+}
+
 inline bool bool_arg(py::handle v, const std::string& name) {
   if (!PyBool_Check(v.ptr())) type_error(name + " must be a bool, got " + type_name(v));
   return v.ptr() == Py_True;

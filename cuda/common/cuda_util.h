@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -42,6 +43,13 @@ class DeviceGuard {
  private:
   int prev_ = 0;
 };
+
+// Whether every pointer is 16-byte aligned (the kernels' vector loads and stores need it).
+inline bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* ptr : ptrs)
+    if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
+  return true;
+}
 
 #ifdef __CUDACC__
 // Two floats as a pair of T (__nv_bfloat16 or __half, round to nearest) in one 32-bit word, the

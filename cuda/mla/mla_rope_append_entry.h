@@ -57,8 +57,7 @@ inline py::object mla_rope_append_entry(py::handle q, py::handle kv, py::handle 
   for (const TensorArg* t : {&cache.ckv, &cache.kpe})  // written while the others are read
     no_overlap(*t, {&tq, &tkv, &tw, &tc, &ts, &cache.pt, &cache.lens});
   MlaRopeAppendParams p{};
-  p.eps = float_arg(eps, "eps");
-  if (!(p.eps >= 0.f)) value_error("eps must be >= 0, got " + py::repr(eps).cast<std::string>());
+  p.eps = nonnegative_float_arg(eps, "eps");
   p.layout = rope_layout_arg(rope_layout);
   p.q = tq.data, p.kv = tkv.data, p.norm_weight = tw.data, p.cos = tc.data, p.sin = ts.data;
   p.ckv = cache.ckv.data, p.kpe = cache.kpe.data;

@@ -27,8 +27,7 @@ inline py::object rms_norm_entry(py::handle x, py::handle weight, py::handle eps
   if (rows > INT32_MAX) value_error("x has " + std::to_string(rows) + " rows; rms_norm takes fewer than 2^31");
   aligned16({&tx, &tw});
   RmsNormParams p{};
-  p.eps = float_arg(eps, "eps");
-  if (!(p.eps >= 0.f)) value_error("eps must be >= 0, got " + py::repr(eps).cast<std::string>());
+  p.eps = nonnegative_float_arg(eps, "eps");
   p.x = tx.data, p.weight = tw.data, p.rows = rows, p.dim = int32_t(dim), p.dtype = tx.dtype;
   void* data = nullptr;
   py::object y = empty({rows, dim}, tx.dtype, tx.device, &data);
