@@ -117,23 +117,23 @@ std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, i
   return tasks;
 }
 
-// Calls f(row, fp32 values of the row) for rows [0, S) in parallel: rows of x in expert order
-// (gather), or rows of an fp32 buffer.
+// Calls f(row) for rows [0, S) on `workers` threads.
 template <typename F>
-void for_rows(int64_t S, int64_t bytes, int threads, F&& f) {
-  const int64_t chunk = std::max<int64_t>(1, S / (4 * threads));
-  ThreadPool::instance().parallel_for(ceil_div(S, chunk), threads_for(bytes, threads), [&](int64_t task, int) {
+void for_rows(int64_t S, int workers, F&& f) {
+  const int64_t chunk = std::max<int64_t>(1, S / (4 * workers));
+  ThreadPool::instance().parallel_for(ceil_div(S, chunk), workers, [&](int64_t task, int) {
     for (int64_t row = task * chunk; row < std::min(S, (task + 1) * chunk); ++row) f(row);
   });
 }
 
+// The rows of x in expert order, on `workers` threads.
 template <class Rows>
-void gather(const MoeParams& p, const Routing& r, Rows& X, int threads) {
+void gather(const MoeParams& p, const Routing& r, Rows& X, int workers) {
   const int64_t S = p.T * p.K;
-  std::vector<std::vector<float>> tmp(static_cast<size_t>(threads));
+  std::vector<std::vector<float>> tmp(static_cast<size_t>(workers));
   const int64_t xsz = dtype_size(p.x_dtype);
-  const int64_t chunk = std::max<int64_t>(1, S / (4 * threads));
-  ThreadPool::instance().parallel_for(ceil_div(S, chunk), threads_for(S * p.H * 4, threads), [&](int64_t task, int w) {
+  const int64_t chunk = std::max<int64_t>(1, S / (4 * workers));
+  ThreadPool::instance().parallel_for(ceil_div(S, chunk), workers, [&](int64_t task, int w) {
     std::vector<float>& row = tmp[size_t(w)];
     row.resize(size_t(p.H));
     for (int64_t s = task * chunk; s < std::min(S, (task + 1) * chunk); ++s) {
@@ -214,14 +214,17 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   const int64_t tiles = ceil_div(r.max_rows, 16);
   const int64_t n_active = int64_t(r.active.size());
   const int threads1 = threads_for(n_active * bytes13 * tiles, threads);
-  pool.wake(threads1);  // the gather below runs while the workers get going
+  pool.wake(threads1);  // the gather below takes each worker as it comes
 
   ActRows<Fmt::kAct> X, Hact;
   const int64_t pad = use_tiles<Fmt>(r.max_rows) ? 32 : 0;  // rows a 32-row tile may read past the end
   alloc_rows<Fmt>(ws, X, S, Fmt::packed_k(p.H, p.group13), pad, p.group13);
   const int64_t ldh = std::max(Fmt::packed_k(p.I, p.group2), n_pairs * kBlockN);
   alloc_rows<Fmt>(ws, Hact, S, ldh, pad, p.group2);
-  gather(p, r, X, threads);
+  // The workers are woken for GEMM1 already, so the row passes before and after it (the gather,
+  // h quantised) use at least as many: quantising a row of int8 activations takes microseconds,
+  // and the 8 rows of a V3 decode took 0.08-0.11 ms on one thread (tools/experts_tune, phase 0).
+  gather(p, r, X, std::max(threads1, threads_for(S * p.H * 4, threads)));
   ExpertTiles x_tiles, h_tiles;
   build_tiles<Fmt>(ws, r, X, k13, threads, x_tiles);
   // h = silu(gate) * up: straight into Hact 16 columns at a time, or (int8 activations, quantised
@@ -286,7 +289,8 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   });
   clock.mark(1);
   if constexpr (kQuantAct)
-    for_rows(S, S * p.I * 4, threads, [&](int64_t s) { Hact.store(s, Hf.buf + s * Hf.ld, p.I); });
+    for_rows(S, std::max(threads1, threads_for(S * p.I * 4, threads)),
+             [&](int64_t s) { Hact.store(s, Hf.buf + s * Hf.ld, p.I); });
   build_tiles<Fmt>(ws, r, Hact, k2, threads, h_tiles);
   clock.mark(2);
 
@@ -327,7 +331,7 @@ void run_rows(const MoeParams& p, const Routing& r, int threads) {
   X.round_bf16 = Hact.round_bf16 = Fmt::kAct == Act::kBF16;
   X.alloc(ws, S, p.H, 0);
   Hact.alloc(ws, S, ldh, 0);
-  gather(p, r, X, threads);
+  gather(p, r, X, threads_for(S * p.H * 4, threads));
   float* Y = ws.take<float>(S * ldy);
   const int64_t n_active = int64_t(r.active.size());
 
