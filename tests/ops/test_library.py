@@ -54,7 +54,7 @@ def test_experts_ops(x_dtype, w_dtype, ids_dtype, shape):
     got = torch.ops.hmoe.moe_experts_cpu(x, ids, w, w13, w2, None)
     assert got.dtype == x_dtype and torch.equal(got, hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2))
     experts = hmoe.CPUExperts(w13, w2)
-    packed = (x, ids, w, experts._w13, experts._w2, list(experts._dims), None)
+    packed = (x, ids, w, experts._w13, experts._w2, experts._layout, None)
     torch.library.opcheck(library.cpu_experts_packed, packed)
     assert torch.equal(library.cpu_experts_op(experts, x, ids, w), experts(x, ids, w))
 
@@ -108,21 +108,23 @@ def test_fake_impls_raise_what_the_eager_ops_raise(case):
     assert str(got.value) == str(want.value)
 
 
-def test_fake_packed_checks_dims_and_weights():
+def test_fake_packed_checks_layout_and_weights():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, ids, w, w13, w2 = random_problem(2, 32, 24, 4, 2, torch.float32, torch.bfloat16,
                                         gen=torch.Generator().manual_seed(0))
     experts = hmoe.CPUExperts(w13, w2)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with pytest.raises(ValueError, match=r"dims must be \[weight format code"):
-            library.cpu_experts_packed(x, ids, w, experts._w13, experts._w2, [1, 2], None)
+        for bad in ("1,2", "1,2,3,4,5,x", ""):
+            with pytest.raises(ValueError, match=r"layout must be 'weight format code"):
+                library.cpu_experts_packed(x, ids, w, experts._w13, experts._w2, bad, None)
         with pytest.raises(TypeError, match=r"w13 \(packed\) must have dtype uint8; got float32"):
-            library.cpu_experts_packed(x, ids, w, x.flatten(), experts._w2, list(experts._dims), None)
+            library.cpu_experts_packed(x, ids, w, x.flatten(), experts._w2, experts._layout, None)
         with pytest.raises(ValueError, match=r"dimension 1 must be H \(the experts' hidden size\) = 32"):
-            library.cpu_experts_packed(x[:, :16], ids, w, experts._w13, experts._w2, list(experts._dims), None)
-    with pytest.raises(ValueError, match=r"dims must be \[weight format code"):
-        library.cpu_experts_packed(x, ids, w, experts._w13, experts._w2, [1, 2], None)
+            library.cpu_experts_packed(x[:, :16], ids, w, experts._w13, experts._w2, experts._layout, None)
+    with pytest.raises(ValueError, match=r"layout must be 'weight format code"):
+        library.cpu_experts_packed(x, ids, w, experts._w13, experts._w2, "1,2", None)
+    assert experts._layout == ",".join(map(str, experts._dims))
 
 
 def test_not_differentiable_outputs_never_require_grad():

@@ -158,7 +158,7 @@ def test_pickle_and_custom_op_path():
     e2 = pickle.loads(pickle.dumps(e))
     assert (e2.format, e2.group13) == ("fp8", 64) and torch.equal(e2(x, ids, w), y)
     assert torch.equal(library.cpu_experts_op(e, x, ids, w), y)
-    torch.library.opcheck(library.cpu_experts_packed, (x, ids, w, e._w13, e._w2, list(e._dims), None))
+    torch.library.opcheck(library.cpu_experts_packed, (x, ids, w, e._w13, e._w2, e._layout, None))
 
 
 def _bad(q13, q2, exc, match):

@@ -87,8 +87,10 @@ class CPUExperts:
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
         self.group13, self.group2 = g13, g2
         fcode = code(self.dtype) if self.dtype is not None else _format_code(fmt)
-        # The packed entry points' (format, E, H, I, group13, group2), also torch.ops.hmoe's dims.
+        # The packed entry points' (format, E, H, I, group13, group2), and the same as
+        # hmoe::cpu_experts_packed's layout string.
         self._dims = (fcode, E, H, I, g13, g2)
+        self._layout = ",".join(map(str, self._dims))
 
     def __getstate__(self):
         return {"version": self._STATE_VERSION, "isa": self._isa_request, "format": self.format, "dtype": self.dtype,

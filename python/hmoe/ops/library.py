@@ -9,10 +9,10 @@ Importing this module registers, once (importing again, or importlib.reload, reu
                         str? isa) -> Tensor
       [T, H] in x.dtype (CPU kernel)
   hmoe::cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed,
-                           Tensor w2_packed, int[] dims, str? isa) -> Tensor
-      what CPUExperts runs, dims = [weight format code, num_experts, hidden_size, intermediate_size,
-      group13, group2] (CPUExperts._dims; one int[] rather than six ints: fewer arguments to box);
-      [T, H] in x.dtype (CPU kernel);
+                           Tensor w2_packed, str layout, str? isa) -> Tensor
+      what CPUExperts runs, layout = "format code,num_experts,hidden_size,intermediate_size,group13,
+      group2" (CPUExperts._layout: six decimal integers; a str because torch's dispatcher boxes one
+      faster than an int[] or six ints, about 0.5 us a call); [T, H] in x.dtype (CPU kernel);
       cpu_experts_op(experts, x, topk_ids, topk_weights) calls it for a CPUExperts
   hmoe::mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table,
                    Tensor seq_lens, float sm_scale, str? variant) -> Tensor
@@ -143,25 +143,34 @@ moe_experts_cpu = _define(
     {"CPU": _moe_experts_cpu}, _moe_experts_cpu_fake)
 
 
-_DIMS = 6  # format code, E, H, I, group13, group2
+_LAYOUT_FIELDS = 6  # format code, E, H, I, group13, group2
+_layouts: dict = {}  # layout string -> its six ints (one entry per distinct CPUExperts configuration)
 
 
-def _dims_error(dims) -> ValueError:
-    return ValueError("cpu_experts_packed: dims must be [weight format code, num_experts, hidden_size, "
-                      f"intermediate_size, group13, group2], got {list(dims)}")
+def _layout_dims(layout: str) -> tuple:
+    """The six ints of a cpu_experts_packed layout string, or ValueError."""
+    dims = _layouts.get(layout)
+    if dims is None:
+        try:
+            dims = tuple(int(v) for v in layout.split(","))
+        except ValueError:
+            dims = ()
+        if len(dims) != _LAYOUT_FIELDS:
+            raise ValueError("cpu_experts_packed: layout must be 'weight format code,num_experts,hidden_size,"
+                             f"intermediate_size,group13,group2' (CPUExperts._layout), got {layout!r}")
+        if len(_layouts) < 4096:
+            _layouts[layout] = dims
+    return dims
 
 
-def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
+def _cpu_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, layout, isa):
     mod = _experts.module(_experts.select(isa))  # both cached
-    if len(dims) != _DIMS:
-        raise _dims_error(dims)
-    return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, *dims, None, get_num_threads())
+    return mod.moe_experts_packed(x, topk_ids, topk_weights, w13_packed, w2_packed, *_layout_dims(layout), None,
+                                  get_num_threads())
 
 
-def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, dims, isa):
-    if len(dims) != _DIMS:
-        raise _dims_error(dims)
-    H = dims[2]
+def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, layout, isa):
+    H = _layout_dims(layout)[2]
     _check(w13_packed, "w13 (packed)", 1, (torch.uint8,), "CPU")
     _check(w2_packed, "w2 (packed)", 1, (torch.uint8,), "CPU")
     return _experts_out(x, topk_ids, topk_weights, H)
@@ -169,13 +178,13 @@ def _cpu_experts_packed_fake(x, topk_ids, topk_weights, w13_packed, w2_packed, d
 
 cpu_experts_packed = _define(
     "cpu_experts_packed(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w2_packed, "
-    "int[] dims, str? isa) -> Tensor",
+    "str layout, str? isa) -> Tensor",
     {"CPU": _cpu_experts_packed}, _cpu_experts_packed_fake)
 
 
 def cpu_experts_op(experts, x, topk_ids, topk_weights):
     """CPUExperts `experts` applied through hmoe::cpu_experts_packed (what HybridMoE runs when compiled)."""
-    return cpu_experts_packed(x, topk_ids, topk_weights, experts._w13, experts._w2, experts._dims,
+    return cpu_experts_packed(x, topk_ids, topk_weights, experts._w13, experts._w2, experts._layout,
                               experts._isa_request)
 
 
