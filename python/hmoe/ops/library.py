@@ -43,9 +43,9 @@ import torch
 
 from .. import _native
 from .._threads import get_num_threads
+from . import _cuda
 from . import experts as _experts
 from .mla import mla_decode as _mla
-from .topk import grouped_topk as _topk
 
 _NS = "hmoe"
 # A namespace is defined once per process: importlib.reload keeps the first import's library and kernels.
@@ -86,15 +86,15 @@ def _check(t, name: str, ndim: int, dtypes: tuple, where: str) -> None:
         raise ValueError(f"{name} must be on the {where}, got device {t.device}")
 
 
-def _grouped_topk(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor):
-    return _topk(router_logits, top_k, n_group=n_group, topk_group=topk_group, scoring=scoring, bias=bias,
-                 renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
-
-
 def _grouped_topk_cpu(*args):
     """The CPU kernel: the dispatcher already chose the device, so straight to the CPU module (whose
     entry point takes the schema's arguments in the schema's order and checks them all)."""
     return _native.bind("cpu_core").grouped_topk(*args)
+
+
+def _grouped_topk_cuda(*args):
+    """The CUDA kernel: straight to the module hmoe.ops.grouped_topk selects for router_logits' device."""
+    return _cuda.module(args[0].get_device(), "grouped_topk").grouped_topk(*args)
 
 
 def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor):
@@ -113,7 +113,7 @@ def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias,
 _TOPK_ARGS = ("(Tensor router_logits, int top_k, int n_group, int topk_group, str scoring, Tensor? bias, "
               "bool renormalize, float routed_scaling_factor)")
 grouped_topk = _define("grouped_topk" + _TOPK_ARGS + " -> (Tensor, Tensor)",
-                       {"CPU": _grouped_topk_cpu, "CUDA": _grouped_topk}, _grouped_topk_fake)
+                       {"CPU": _grouped_topk_cpu, "CUDA": _grouped_topk_cuda}, _grouped_topk_fake)
 
 
 def _experts_out(x, topk_ids, topk_weights, H):
