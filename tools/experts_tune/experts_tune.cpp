@@ -1,11 +1,12 @@
 // Tuning harness for the CPU experts op: run_moe of one ISA level on synthetic packed weights
 // (random quantised values with valid scales, or random bf16), timing each phase of the op
 // (moe_experts.cpp built with HMOE_PHASE_TIMING). See build.sh beside this file.
-//   experts_tune FORMAT(bf16|int8|int4|fp8) H I E K T [repeats] [MODE]
+//   experts_tune FORMAT(bf16|int8|int4|fp8) H I E K T [repeats] [MODE] [threads]
 // MODE says what precedes each timed call (medians printed): hot (nothing: back to back, the
 // default), evict (a read of 512 MiB, evicting the caches), idle (100 ms asleep), cold (both, as
 // the bench's cold calls), and idle-wake / cold-wake (the same, then the pool woken and 30 us of
-// spinning: the workers are awake when the call comes).
+// spinning: the workers are awake when the call comes). threads: the op's thread count (default:
+// std::thread::hardware_concurrency()).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -40,14 +41,18 @@ const char* amx_permission() {
 
 int main(int argc, char** argv) {
   if (argc < 7) {
-    std::fprintf(stderr, "usage: %s bf16|int8|int4|fp8 H I E K T [repeats] [MODE]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s bf16|int8|int4|fp8 H I E K T [repeats] [MODE] [threads]\n", argv[0]);
     return 2;
   }
   const std::string fmt_name = argv[1];
   const int64_t H = std::atoll(argv[2]), I = std::atoll(argv[3]), E = std::atoll(argv[4]), K = std::atoll(argv[5]),
                 T = std::atoll(argv[6]);
   const int repeats = argc > 7 ? std::atoi(argv[7]) : 5;
-  const int threads = int(std::thread::hardware_concurrency());
+  const int threads = argc > 9 ? std::atoi(argv[9]) : std::max(1, int(std::thread::hardware_concurrency()));
+  if (threads < 1) {
+    std::fprintf(stderr, "threads must be at least 1, got %s\n", argv[9]);
+    return 2;
+  }
   if (const char* why = amx_permission(); *why) {
     std::fprintf(stderr, "AMX unusable: %s\n", why);
     return 1;
