@@ -249,6 +249,28 @@ def test_static_cache_decoder_matches_generate(kind):
         hn.GraphDecoder(m, batch_size=2, max_cache_len=32)
 
 
+def test_decoder_passes_the_cache_under_the_forwards_own_name():
+    """transformers renamed the forward's past_key_values to cache (the old name warns): GraphDecoder
+    uses whichever name the model's forward declares."""
+    from hmoe.nn.decode import _cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert _cache_keyword(New()) == "cache" and _cache_keyword(Old()) == "past_key_values"
+    m = models.model("v3")
+    hn.patch_model(m, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hn.GraphDecoder(m, batch_size=1, max_cache_len=16, capture=False).generate(torch.zeros(1, 3, dtype=torch.long), 2)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
 def test_forward_with_grad_warns_that_it_is_inference_only():
     m = models.model("v3")
     block = hn.HybridMoE.from_hf(models.moe_blocks(m)[0])

@@ -4,12 +4,24 @@ functions: hmoe/nn/_staging.py)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
 from . import _mla, _staging
 
 ATTENTIONS = ("auto", "hmoe", "model")
+
+
+def _cache_keyword(model) -> str:
+    """The name under which the model's forward takes its cache: "cache" where the forward declares it
+    (transformers renamed past_key_values to cache; its forwards still take the old name, with a
+    deprecation warning), else "past_key_values"."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class GraphDecoder:
@@ -53,6 +65,7 @@ class GraphDecoder:
             raise ValueError(f"GraphDecoder: attention must be one of {', '.join(map(repr, ATTENTIONS))}, "
                              f"got {attention!r}")
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        self._cache_kw = _cache_keyword(model)
         modules = _mla.attention_modules(model)
         absorbed, self.attention_reason = _mla.choose(modules, attention, self.device, self.dtype)
         self.attention = "hmoe" if absorbed else "model"
@@ -71,8 +84,8 @@ class GraphDecoder:
         self.length = 0
 
     def _forward(self, ids, pos, mask):
-        out = self.model(input_ids=ids, past_key_values=self.cache, cache_position=pos, attention_mask=mask,
-                         use_cache=True)
+        out = self.model(input_ids=ids, cache_position=pos, attention_mask=mask, use_cache=True,
+                         **{self._cache_kw: self.cache})
         if self._absorbed is not None:
             self._absorbed.finish_step()
         return out.logits[:, -1]
