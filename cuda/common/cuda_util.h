@@ -44,8 +44,9 @@ class DeviceGuard {
   int prev_ = 0;
 };
 
-// Whether every pointer is 16-byte aligned (the kernels' vector loads and stores need it).
-inline bool aligned16(std::initializer_list<const void*> ptrs) {
+// Whether every pointer is 16-byte aligned (the kernels' vector loads and stores need it); the
+// launchers' own check, beside the binding's bind::aligned16, which refuses tensors by name.
+inline bool pointers_aligned16(std::initializer_list<const void*> ptrs) {
   for (const void* ptr : ptrs)
     if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
   return true;

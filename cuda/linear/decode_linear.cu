@@ -116,7 +116,7 @@ const char* check(const DecodeLinearParams& p) {
   if (p.out_dtype != p.dtype && p.out_dtype != kF32) return "out_dtype is neither dtype nor float32";
   if (p.m < 0 || p.m > kDecodeLinearMaxRows) return "m out of range";
   if (p.n < 1 || p.k < 8 || p.k % 8) return "n < 1, or k not a positive multiple of 8";
-  if (!aligned16({p.x, p.weight, p.y})) return "a pointer is not 16-byte aligned";
+  if (!pointers_aligned16({p.x, p.weight, p.y})) return "a pointer is not 16-byte aligned";
   return nullptr;
 }
 

@@ -67,7 +67,7 @@ const char* check(const RmsNormParams& p) {
   if (p.rows < 0 || p.rows > INT32_MAX) return "rows out of range";
   if (p.dim < 8 || p.dim % 8 || p.dim > kMaxDim) return "dim not a multiple of 8 in [8, 8192]";
   if (!(p.eps >= 0.f)) return "eps < 0";
-  if (!aligned16({p.x, p.weight, p.y})) return "a pointer is not 16-byte aligned";
+  if (!pointers_aligned16({p.x, p.weight, p.y})) return "a pointer is not 16-byte aligned";
   return nullptr;
 }
 
