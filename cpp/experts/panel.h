@@ -43,6 +43,75 @@ bool use_tiles(int64_t rows) {
 constexpr int64_t kTileRows = HMOE_TUNE_TILE_ROWS;
 constexpr int64_t kTileChunkBytes = HMOE_TUNE_TILE_CHUNK_BYTES;  // one A row slice a chunk: 32 rows x 2 KB
 
+// What the integer tile path fetches into L2 ahead of use, spread over the tile steps of a block
+// pair's row passes: bit 0 the weights of the next pair (or of the next K chunk's first pair), bit
+// 1 this pair's share of the next K chunk's activation tiles. Without them the first pass over a
+// pair (for int4 its unpacking) waits on memory for the weights. The bf16 path takes none: it was
+// no faster with them (docs/perf/experts.md).
+#ifndef HMOE_TUNE_TILE_PREFETCH
+#define HMOE_TUNE_TILE_PREFETCH 3
+#endif
+constexpr bool kAheadB = HMOE_TUNE_TILE_PREFETCH & 1, kAheadA = HMOE_TUNE_TILE_PREFETCH & 2;
+
+// Byte ranges (in order) fetched into L2 a few cache lines at a time, evenly over a number of
+// step() calls.
+class L2Ahead {
+ public:
+  void clear() { n_ = 0, total_ = 0, left_ = 0; }
+  void add(const void* p, int64_t bytes) {
+    if (bytes <= 0 || n_ == kMaxRanges) return;
+    r_[n_] = {static_cast<const char*>(p), (bytes + 63) / 64};
+    total_ += r_[n_++].lines;
+  }
+  int64_t lines() const { return total_; }
+  // Lines [lo, hi) of the ranges, over the next `steps` calls of step().
+  void spread(int64_t lo, int64_t hi, int64_t steps) {
+    cur_ = 0, line_ = lo, left_ = std::max<int64_t>(0, std::min(hi, total_) - lo);
+    while (cur_ < n_ && line_ >= r_[cur_].lines) line_ -= r_[cur_++].lines;
+    per_ = (left_ + std::max<int64_t>(1, steps) - 1) / std::max<int64_t>(1, steps);
+  }
+  void step() {
+    for (int64_t i = 0; i < per_ && left_ > 0; ++i, --left_) {
+      __builtin_prefetch(r_[cur_].p + line_ * 64, 0, 2);  // into L2 (prefetcht1 on x86)
+      if (++line_ == r_[cur_].lines) line_ = 0, ++cur_;
+    }
+  }
+
+ private:
+  static constexpr int kMaxRanges = 2 + kTileRows / 16;
+  struct Range {
+    const char* p;
+    int64_t lines;
+  };
+  Range r_[kMaxRanges];
+  int n_ = 0, cur_ = 0;
+  int64_t total_ = 0, line_ = 0, left_ = 0, per_ = 0;
+};
+
+// The prefetches of one block pair (index `pair` of `pairs`, `steps` tile steps over all its row
+// passes): the next pair's two weight ranges (b0, b1: null for none) whole, and the pair's share
+// of the next chunk's activation tiles, `rows` rows in 16-row tiles from `a` (null for none),
+// `a_bytes` a tile, `a_stride` apart.
+struct PairAhead {
+  L2Ahead b, a;
+  void plan(const void* b0, const void* b1, int64_t b_bytes, const char* a0, int64_t a_bytes, int64_t a_stride,
+            int64_t rows, int64_t pair, int64_t pairs, int64_t steps) {
+    b.clear(), a.clear();
+    if (kAheadB && b0) {
+      b.add(b0, b_bytes);
+      if (b1 != b0) b.add(b1, b_bytes);
+    }
+    b.spread(0, b.lines(), steps);
+    if (kAheadA && a0)
+      for (int64_t r = 0; r < rows; r += 16) a.add(a0 + r / 16 * a_stride, a_bytes);
+    a.spread(a.lines() * pair / pairs, a.lines() * (pair + 1) / pairs, steps);
+  }
+  void operator()() {
+    b.step();
+    a.step();
+  }
+};
+
 // The first byte of a row panel of activations (int8 or bf16 rows).
 inline const char* row_bytes(const ActRows<Act::kI8>::Panel& a) { return reinterpret_cast<const char*>(a.q); }
 inline const char* row_bytes(const ActRows<Act::kBF16>::Panel& a) { return reinterpret_cast<const char*>(a.p); }
@@ -125,12 +194,19 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
     thread_local std::vector<uint8_t> unpacked;
     if constexpr (Fmt::kBits == 4) unpacked.resize(size_t(2 * gc * wbytes));
     for (int64_t i = 0; i < rows * ldc; ++i) C[i] = 0.f;  // rows a multiple of 32 here
+    const auto blk = [&](int j) { return static_cast<const uint8_t*>(B[std::min(j, nb - 1)]); };
+    const int64_t pairs = (nb + 1) / 2, a_stride = A.ncols * 16 * A.kw;
+    PairAhead ahead;
     T::begin_i8(kstep);
     for (int64_t g0 = 0; g0 < K.groups; g0 += gc) {
-      const int64_t gn = std::min(gc, K.groups - g0);
+      const int64_t gn = std::min(gc, K.groups - g0), g1 = g0 + gc, gn1 = std::min(gc, K.groups - g1);
       for (int j = 0; j < nb; j += 2) {
-        const uint8_t* src[2] = {static_cast<const uint8_t*>(B[j]),
-                                 static_cast<const uint8_t*>(B[std::min(j + 1, nb - 1)])};
+        const bool last = j + 2 >= nb;
+        const int64_t bg = last ? g1 : g0, bj = last ? 0 : j + 2;
+        ahead.plan(last && g1 >= K.groups ? nullptr : blk(bj) + bg * chunk, blk(bj + 1) + bg * chunk,
+                   (last ? gn1 : gn) * chunk, g1 < K.groups ? A.at(0, g1 * group) : nullptr, 16 * gn1 * group, a_stride,
+                   rows, j / 2, pairs, rows / 32 * gn * (group / kstep));
+        const uint8_t* src[2] = {blk(j), blk(j + 1)};
         const uint8_t* w[2];  // group g0's weights of each block, then one group every `wstride`
         int64_t wstride = chunk;
         if constexpr (Fmt::kBits == 4) {
@@ -157,7 +233,7 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
             const int8_t* a0 = reinterpret_cast<const int8_t*>(A.at(r, gg * group));
             const int8_t* a1 = reinterpret_cast<const int8_t*>(A.at(r + 16, gg * group));
             T::template mma_i8_2x2<kSigned>(a0, a1, kstep, 16 * kstep, w[0] + g * wstride, w[1] + g * wstride, group,
-                                            kstep, acc, 32);
+                                            kstep, acc, 32, [&] { ahead(); });
             for (int h = 0; h < 2; ++h) {
               const V sw = isa::vload(reinterpret_cast<const float*>(src[h] + gg * chunk + chunk - kBlockN * 4));
               for (int i = 0; i < 32; ++i) {

@@ -98,10 +98,11 @@ struct Tiles {
   // C[32][32] (int32, row stride ldc) = A[32 rows, group] (int8) x the weights of two group chunks
   // of the int8 layout (B0/B1: [group / 4][16][4] bytes, unsigned, or signed with kSignedB), kstep k
   // a step (begin_i8(kstep) first; A's tiles of the t-th step at A0 / A1 + t * astep, lda bytes
-  // between rows): tdpbsud (signed activations times unsigned weights) or tdpbssd, exact.
-  template <bool kSignedB = false>
+  // between rows): tdpbsud (signed activations times unsigned weights) or tdpbssd, exact. step()
+  // runs once a k step (the caller's prefetches).
+  template <bool kSignedB = false, class Step = NoStep>
   static void mma_i8_2x2(const int8_t* A0, const int8_t* A1, int64_t lda, int64_t astep, const uint8_t* B0,
-                         const uint8_t* B1, int64_t group, int kstep, int32_t* C, int64_t ldc) {
+                         const uint8_t* B1, int64_t group, int kstep, int32_t* C, int64_t ldc, Step step = {}) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -122,6 +123,7 @@ struct Tiles {
         _tile_dpbsud(2, 5, 6);
         _tile_dpbsud(3, 5, 7);
       }
+      step();
     }
     _tile_stored(0, C, ldc * 4);
     _tile_stored(1, C + 16, ldc * 4);
