@@ -102,8 +102,8 @@ inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale
 
 // Rows of activations entering a matmul. A buffer keeps `pad` zero rows past its last row (32 where
 // the call copies rows into 32-row tiles, which then never read past the end; none otherwise).
-// `store` writes one row from n fp32 values (the rest of the row, up to ld, reads as zero);
-// `at(row)` is what the microkernels take.
+// `store` writes one row from n fp32 values (the rest of the row, up to ld, reads as zero),
+// `copy_row` copies one row to another; `at(row)` is what the microkernels take.
 template <Act A>
 struct ActRows;
 
@@ -121,6 +121,9 @@ struct PlainRows {
     std::memset(static_cast<void*>(buf + rows * ld), 0, size_t(pad * ld) * sizeof(T));
   }
   Panel at(int64_t row) const { return {buf + row * ld, ld}; }
+  void copy_row(int64_t dst, int64_t src) {
+    std::memcpy(static_cast<void*>(buf + dst * ld), buf + src * ld, size_t(ld) * sizeof(T));
+  }
 };
 
 // fp32 and bf16 rows can also be written 16 columns at a time (store_cols): silu(g) * u of a
@@ -181,6 +184,11 @@ struct ActRows<Act::kI8> {
     }
   }
   Panel at(int64_t row) const { return {q + row * ld, ld, scale + row * ldg, sum + row * ldg, ldg}; }
+  void copy_row(int64_t dst, int64_t src) {
+    std::memcpy(q + dst * ld, q + src * ld, size_t(ld));
+    std::memcpy(scale + dst * ldg, scale + src * ldg, size_t(ldg) * sizeof(float));
+    std::memcpy(sum + dst * ldg, sum + src * ldg, size_t(ldg) * sizeof(int32_t));
+  }
 };
 
 }  // namespace hmoe

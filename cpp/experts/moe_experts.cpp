@@ -52,7 +52,6 @@ constexpr int64_t kRowsMaxM = 4;
 struct Routing {
   std::vector<int64_t> offset;  // [E + 1]: rows of expert e are [offset[e], offset[e+1])
   std::vector<int64_t> pos;     // [T * K]: row of slot (t, k)
-  std::vector<int64_t> token;   // [S]: token of row r
   std::vector<int32_t> active;  // experts with rows
   int64_t max_rows = 0;
 };
@@ -82,12 +81,7 @@ Routing route(const MoeParams& p) {
   }
   std::vector<int64_t> fill(r.offset.begin(), r.offset.end() - 1);
   r.pos.resize(size_t(S));
-  r.token.resize(size_t(S));
-  for (int64_t s = 0; s < S; ++s) {
-    int64_t row = fill[size_t(ids[size_t(s)])]++;
-    r.pos[size_t(s)] = row;
-    r.token[size_t(row)] = s / p.K;
-  }
+  for (int64_t s = 0; s < S; ++s) r.pos[size_t(s)] = fill[size_t(ids[size_t(s)])]++;
   return r;
 }
 
@@ -126,19 +120,21 @@ void for_rows(int64_t S, int workers, F&& f) {
   });
 }
 
-// The rows of x in expert order, on `workers` threads.
+// The rows of x in expert order, on `workers` threads: each token's row is converted (or
+// quantised) once, into the row of its first slot, and copied to the rows of its other slots.
 template <class Rows>
 void gather(const MoeParams& p, const Routing& r, Rows& X, int workers) {
-  const int64_t S = p.T * p.K;
   std::vector<std::vector<float>> tmp(static_cast<size_t>(workers));
   const int64_t xsz = dtype_size(p.x_dtype);
-  const int64_t chunk = std::max<int64_t>(1, S / (4 * workers));
-  ThreadPool::instance().parallel_for(ceil_div(S, chunk), workers, [&](int64_t task, int w) {
+  const int64_t chunk = std::max<int64_t>(1, p.T / (4 * workers));
+  ThreadPool::instance().parallel_for(ceil_div(p.T, chunk), workers, [&](int64_t task, int w) {
     std::vector<float>& row = tmp[size_t(w)];
     row.resize(size_t(p.H));
-    for (int64_t s = task * chunk; s < std::min(S, (task + 1) * chunk); ++s) {
-      load_row_f32(static_cast<const char*>(p.x) + r.token[size_t(s)] * p.H * xsz, p.x_dtype, p.H, row.data());
-      X.store(s, row.data(), p.H);
+    for (int64_t t = task * chunk; t < std::min(p.T, (task + 1) * chunk); ++t) {
+      load_row_f32(static_cast<const char*>(p.x) + t * p.H * xsz, p.x_dtype, p.H, row.data());
+      const int64_t* pos = r.pos.data() + t * p.K;
+      X.store(pos[0], row.data(), p.H);
+      for (int64_t k = 1; k < p.K; ++k) X.copy_row(pos[k], pos[0]);
     }
   });
 }
