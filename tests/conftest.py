@@ -1,4 +1,5 @@
-"""Shared pytest setup: GPU tests skip cleanly without a GPU; HMOE_* variables never leak in."""
+"""Shared pytest setup: GPU tests skip cleanly without a GPU or in a build without CUDA kernels; HMOE_*
+variables never leak in."""
 import os
 
 import pytest
@@ -12,10 +13,20 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def _no_cuda_kernels() -> bool:
+    """A build without CUDA kernels (HMOE_CUDA=OFF) on a machine with a GPU."""
+    import hmoe
+
+    return not hmoe.build_info()["cuda_kernels"]
+
+
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
+    if not _has_gpu():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    elif _no_cuda_kernels():
+        skip = pytest.mark.skip(reason="needs hmoe built with CUDA kernels (this build has none: HMOE_CUDA=OFF)")
+    else:
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
