@@ -218,8 +218,8 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   const int64_t ldh = std::max(Fmt::packed_k(p.I, p.group2), n_pairs * kBlockN);
   alloc_rows<Fmt>(ws, Hact, S, ldh, pad, p.group2);
   // The workers are woken for GEMM1 already, so the row passes before and after it (the gather,
-  // h quantised) use at least as many: quantising a row of int8 activations takes microseconds,
-  // and the 8 rows of a V3 decode took 0.08-0.11 ms on one thread (tools/experts_tune, phase 0).
+  // a task per few tokens; h quantised, a task per few rows) may use all of them: quantising a
+  // row of int8 activations takes microseconds.
   gather(p, r, X, std::max(threads1, threads_for(S * p.H * 4, threads)));
   ExpertTiles x_tiles, h_tiles;
   build_tiles<Fmt>(ws, r, X, k13, threads, x_tiles);
