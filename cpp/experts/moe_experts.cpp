@@ -26,6 +26,8 @@ namespace HMOE_ISA {
 // tools/experts_tune builds with this: the wall time of each phase of the last call, in ms
 // (0: route, buffers and gather; 1: GEMM1; 2: h quantised; 3: GEMM2; 4: combine).
 double g_phase_ms[5];
+// Per GEMM phase (0: GEMM1, 1: GEMM2): each worker's time inside tasks, in ms (workers < 64).
+double g_busy_ms[2][64];
 #endif
 
 namespace {
@@ -39,10 +41,25 @@ struct PhaseClock {
     t = now;
   }
 };
+// Times fn(task, worker) into g_busy_ms[phase][worker].
+template <typename F>
+auto busy_timed(int phase, F&& fn) {
+  for (double& b : g_busy_ms[phase]) b = 0;
+  return [phase, fn](int64_t task, int w) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn(task, w);
+    if (w < 64)
+      g_busy_ms[phase][w] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+}
 #else
 struct PhaseClock {
   void mark(int) {}
 };
+template <typename F>
+F&& busy_timed(int, F&& fn) {
+  return std::forward<F>(fn);
+}
 #endif
 
 // With unpacked weights, experts that see at most this many rows use the row-dot kernel,
@@ -85,8 +102,7 @@ Routing route(const MoeParams& p) {
   return r;
 }
 
-// Splits each active expert's n_blocks into chunks so that there are enough tasks to keep
-// every thread busy; a task is (active index, first block, end block).
+// A task of a GEMM phase: (active index, first block, end block).
 struct Task {
   int32_t a;
   int64_t b0, b1;
@@ -101,6 +117,16 @@ int threads_for(int64_t bytes, int threads) { return int(std::clamp<int64_t>(byt
 #ifndef HMOE_TUNE_TASK_UNITS
 #define HMOE_TUNE_TASK_UNITS 64
 #endif
+#ifndef HMOE_TUNE_TASK_TAIL
+#define HMOE_TUNE_TASK_TAIL 1
+#endif
+// Splits each active expert's n_blocks into chunks (multiples of `unit`) so that there are enough
+// tasks to keep every thread busy, in hand-out order; the last HMOE_TUNE_TASK_TAIL x threads
+// chunks go in quarters, so that the workers finish together: a worker that runs slower than the
+// others (on the 16-vCPU AMX hosts some vCPUs ran the tile unit at 40% of the others' rate, which
+// ones changing from run to run) then holds the phase up by a quarter task at most. With whole
+// chunks to the end the workers' time in tasks was 93-96% of GEMM1's wall time (tools/experts_tune,
+// V3 T=512, an H200 machine's host), with the quarters 98-99%.
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
   int64_t chunk = std::clamp<int64_t>(total / (8 * int64_t(threads)), 1, HMOE_TUNE_TASK_UNITS);
@@ -108,6 +134,14 @@ std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, i
   std::vector<Task> tasks;
   for (size_t a = 0; a < r.active.size(); ++a)
     for (int64_t b = 0; b < n_blocks; b += chunk) tasks.push_back({int32_t(a), b, std::min(n_blocks, b + chunk)});
+  const int64_t tail = std::min<int64_t>(int64_t(tasks.size()) / 2, HMOE_TUNE_TASK_TAIL * int64_t(threads));
+  const int64_t piece = std::max<int64_t>(unit, chunk / 4 / unit * unit);
+  if (tail > 0 && piece < chunk) {
+    const std::vector<Task> last(tasks.end() - tail, tasks.end());
+    tasks.resize(tasks.size() - size_t(tail));
+    for (const Task& t : last)
+      for (int64_t b = t.b0; b < t.b1; b += piece) tasks.push_back({t.a, b, std::min(t.b1, b + piece)});
+  }
   return tasks;
 }
 
@@ -257,32 +291,33 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   clock.mark(0);
   // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
   auto tasks1 = make_tasks(r, n_pairs, isa::kNR / 2, threads);
-  pool.parallel_for(int64_t(tasks1.size()), threads1, [&](int64_t ti, int w) {
-    const Task& tk = tasks1[size_t(ti)];
-    const int64_t e = r.active[size_t(tk.a)];
-    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
-    const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? bytes13 : 2 * p.I * p.H * wsz);
-    const TileA xt = x_tiles.has(tk.a) ? x_tiles.tiles(tk.a) : TileA{};
-    auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
-      pack_w13_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
-    };
-    run_blocks(w, w13e, 2 * tk.b0, 2 * tk.b1, block13, pack, [&](int64_t c0, int nb, const void* const* B) {
-      task_gemm<Fmt>(rows, X.at(row0), x_tiles.has(tk.a) ? &xt : nullptr, B, nb, k13,
-                     [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
-                       float h[kBlockN];
-                       for (int i = 0; i < m; ++i)
-                         for (int64_t q = 0; q < nbk / 2; ++q) {
-                           const float* c = C + i * ldc + 2 * q * kBlockN;
-                           silu_mul16(c, c + kBlockN, h);
-                           const int64_t col = (c0 / 2 + b0 / 2 + q) * kBlockN;
-                           if constexpr (kQuantAct)
-                             Hf.store_cols(row0 + r0 + i, col, h, kBlockN);
-                           else
-                             Hact.store_cols(row0 + r0 + i, col, h, kBlockN);
-                         }
-                     });
-    });
-  });
+  pool.parallel_for(
+      int64_t(tasks1.size()), threads1, busy_timed(0, [&](int64_t ti, int w) {
+        const Task& tk = tasks1[size_t(ti)];
+        const int64_t e = r.active[size_t(tk.a)];
+        const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+        const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? bytes13 : 2 * p.I * p.H * wsz);
+        const TileA xt = x_tiles.has(tk.a) ? x_tiles.tiles(tk.a) : TileA{};
+        auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
+          pack_w13_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
+        };
+        run_blocks(w, w13e, 2 * tk.b0, 2 * tk.b1, block13, pack, [&](int64_t c0, int nb, const void* const* B) {
+          task_gemm<Fmt>(rows, X.at(row0), x_tiles.has(tk.a) ? &xt : nullptr, B, nb, k13,
+                         [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
+                           float h[kBlockN];
+                           for (int i = 0; i < m; ++i)
+                             for (int64_t q = 0; q < nbk / 2; ++q) {
+                               const float* c = C + i * ldc + 2 * q * kBlockN;
+                               silu_mul16(c, c + kBlockN, h);
+                               const int64_t col = (c0 / 2 + b0 / 2 + q) * kBlockN;
+                               if constexpr (kQuantAct)
+                                 Hf.store_cols(row0 + r0 + i, col, h, kBlockN);
+                               else
+                                 Hact.store_cols(row0 + r0 + i, col, h, kBlockN);
+                             }
+                         });
+        });
+      }));
   clock.mark(1);
   if constexpr (kQuantAct)
     for_rows(S, std::max(threads1, threads_for(S * p.I * 4, threads)),
@@ -292,24 +327,25 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
   auto tasks2 = make_tasks(r, n_out, isa::kNR, threads);
-  pool.parallel_for(int64_t(tasks2.size()), threads_for(n_active * bytes2 * tiles, threads), [&](int64_t ti, int w) {
-    const Task& tk = tasks2[size_t(ti)];
-    const int64_t e = r.active[size_t(tk.a)];
-    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
-    const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? bytes2 : p.H * p.I * wsz);
-    const TileA ht = h_tiles.has(tk.a) ? h_tiles.tiles(tk.a) : TileA{};
-    auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
-      pack_w2_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
-    };
-    run_blocks(w, w2e, tk.b0, tk.b1, block2, pack, [&](int64_t c0, int nb, const void* const* B) {
-      task_gemm<Fmt>(rows, Hact.at(row0), h_tiles.has(tk.a) ? &ht : nullptr, B, nb, k2,
-                     [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
-                       for (int i = 0; i < m; ++i)
-                         std::memcpy(Y + (row0 + r0 + i) * ldy + (c0 + b0) * kBlockN, C + i * ldc,
-                                     size_t(nbk * kBlockN * 4));
-                     });
-    });
-  });
+  pool.parallel_for(int64_t(tasks2.size()), threads_for(n_active * bytes2 * tiles, threads),
+                    busy_timed(1, [&](int64_t ti, int w) {
+                      const Task& tk = tasks2[size_t(ti)];
+                      const int64_t e = r.active[size_t(tk.a)];
+                      const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+                      const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? bytes2 : p.H * p.I * wsz);
+                      const TileA ht = h_tiles.has(tk.a) ? h_tiles.tiles(tk.a) : TileA{};
+                      auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
+                        pack_w2_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
+                      };
+                      run_blocks(w, w2e, tk.b0, tk.b1, block2, pack, [&](int64_t c0, int nb, const void* const* B) {
+                        task_gemm<Fmt>(rows, Hact.at(row0), h_tiles.has(tk.a) ? &ht : nullptr, B, nb, k2,
+                                       [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
+                                         for (int i = 0; i < m; ++i)
+                                           std::memcpy(Y + (row0 + r0 + i) * ldy + (c0 + b0) * kBlockN, C + i * ldc,
+                                                       size_t(nbk * kBlockN * 4));
+                                       });
+                      });
+                    }));
   clock.mark(3);
   combine(p, r, Y, ldy, threads);
   clock.mark(4);

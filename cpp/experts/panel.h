@@ -43,11 +43,11 @@ bool use_tiles(int64_t rows) {
 constexpr int64_t kTileRows = HMOE_TUNE_TILE_ROWS;
 constexpr int64_t kTileChunkBytes = HMOE_TUNE_TILE_CHUNK_BYTES;  // one A row slice a chunk: 32 rows x 2 KB
 
-// What the integer tile path fetches into L2 ahead of use, spread over the tile steps of a block
-// pair's row passes: bit 0 the weights of the next pair (or of the next K chunk's first pair), bit
-// 1 this pair's share of the next K chunk's activation tiles. Without them the first pass over a
-// pair (for int4 its unpacking) waits on memory for the weights. The bf16 path takes none: it was
-// no faster with them (docs/perf/experts.md).
+// What the tile paths fetch into L2 ahead of use, spread over the tile steps of a block pair's row
+// passes: bit 0 the weights of the next pair (or of the next K chunk's first pair), bit 1 this
+// pair's share of the next K chunk's activation tiles. Without them the first pass over a pair
+// (for int4 its unpacking) waits on memory for the weights: the weights' tile loads were half of
+// the bf16 path's time (docs/perf/experts.md).
 #ifndef HMOE_TUNE_TILE_PREFETCH
 #define HMOE_TUNE_TILE_PREFETCH 3
 #endif
@@ -160,16 +160,23 @@ void tiles_bf16(int64_t rows, const TileA& A, const void* const* B, int nb, cons
   if constexpr (T::kAvailable) {
     const int64_t kp = Fmt::packed_k(K.kd, 0), kc = std::max<int64_t>(32, kTileChunkBytes / 32 / 2 / 32 * 32);
     const int64_t astep = 16 * 32;  // elements between the tiles of consecutive 32-k steps
+    const auto blk = [&](int j) { return static_cast<const uint16_t*>(B[std::min(j, nb - 1)]); };
+    const int64_t pairs = (nb + 1) / 2, a_stride = A.ncols * 16 * A.kw;
+    PairAhead ahead;
     T::begin();
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
-      const int64_t kn = std::min(kc, kp - k0);
+      const int64_t kn = std::min(kc, kp - k0), k1 = k0 + kc, kn1 = std::min(kc, kp - k1);
       for (int j = 0; j < nb; j += 2) {
-        const uint16_t* b0 = static_cast<const uint16_t*>(B[j]) + k0 * 16;
-        const uint16_t* b1 = static_cast<const uint16_t*>(B[std::min(j + 1, nb - 1)]) + k0 * 16;
+        const bool last = j + 2 >= nb;
+        const int64_t bk = last ? k1 : k0, bj = last ? 0 : j + 2;
+        ahead.plan(last && k1 >= kp ? nullptr : blk(bj) + bk * 16, blk(bj + 1) + bk * 16, (last ? kn1 : kn) * 32,
+                   k1 < kp ? A.at(0, 2 * k1) : nullptr, 32 * kn1, a_stride, rows, j / 2, pairs, rows / 32 * (kn / 32));
+        const uint16_t* b0 = blk(j) + k0 * 16;
+        const uint16_t* b1 = blk(j + 1) + k0 * 16;
         for (int64_t r = 0; r < rows; r += 32)
           T::mma_2x2(reinterpret_cast<const uint16_t*>(A.at(r, 2 * k0)),
                      reinterpret_cast<const uint16_t*>(A.at(r + 16, 2 * k0)), 32, astep, b0, b1, kn, k0 > 0,
-                     C + r * ldc + j * kBlockN, ldc);
+                     C + r * ldc + j * kBlockN, ldc, [&] { ahead(); });
       }
     }
     T::end();

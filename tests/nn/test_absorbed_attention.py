@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+import hmoe
 import hmoe.nn as hn
 from hmoe import _reference
 from hmoe.nn import _mla
@@ -169,8 +170,11 @@ def test_what_the_cuda_path_needs_is_checked_without_a_gpu():
     assert "kv_lora_rank 16 and qk_rope_head_dim 8" in _mla.unsupported(small, cuda, torch.bfloat16)
     real = _mla.attention_modules(models.model("v3", kv_lora_rank=512, qk_rope_head_dim=64))
     why = _mla.unsupported(real, cuda, torch.bfloat16)  # hmoe.dispatch's choice of a variant decides
-    if torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 0):
+    runs = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 0)
+    if runs and hmoe.build_info()["cuda_kernels"]:
         assert why == ""
+    elif runs:  # a GPU, but a build without CUDA kernels (HMOE_CUDA=OFF)
+        assert why.startswith("hmoe.ops.mla_decode cannot run on cuda:0: NoGpuVariant: no GPU kernels"), why
     else:
         assert why.startswith("hmoe.ops.mla_decode cannot run on cuda:0: "), why
     assert "runs on CUDA devices" in _mla.unsupported(real, torch.device("meta"), torch.bfloat16)

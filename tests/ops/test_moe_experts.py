@@ -135,6 +135,26 @@ def test_threads_and_concurrent_callers():
         hmoe.set_num_threads(0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_thread_counts_split_the_same_blocks(isa):
+    # Enough blocks per phase that the tasks span several blocks and the last ones are split
+    # further (moe_experts.cpp make_tasks): every thread count covers every block exactly once,
+    # with the same result to the bit.
+    x, ids, w, w13, w2 = random_problem(48, 512, 256, 4, 2, torch.bfloat16, torch.bfloat16)
+    experts = hmoe.CPUExperts(w13, w2, isa=isa)
+    old = hmoe.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 5):
+            hmoe.set_num_threads(n)
+            results.append(experts(x, ids, w))
+    finally:
+        hmoe.set_num_threads(old)
+    check(results[0], x, ids, w, w13, w2)
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+
+
 def test_forced_isa_selection(monkeypatch):
     lowest = hcpu.levels()[0]["name"]
     assert ops_experts.select(lowest).variant == lowest

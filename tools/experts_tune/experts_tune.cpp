@@ -26,7 +26,8 @@
 
 namespace hmoe::HMOE_ISA {
 extern double g_phase_ms[5];
-}
+extern double g_busy_ms[2][64];
+}  // namespace hmoe::HMOE_ISA
 
 using namespace hmoe;
 
@@ -131,6 +132,7 @@ int main(int argc, char** argv) {
   volatile uint64_t sink = 0;
   std::vector<double> total;
   std::vector<std::vector<double>> ph(5);
+  std::vector<std::vector<double>> busy_mean(2), busy_max(2);
   for (int r = 0; r < repeats + 1; ++r) {
     if (evict) {
       uint64_t s = 0;
@@ -150,6 +152,13 @@ int main(int argc, char** argv) {
     if (r == 0) continue;
     total.push_back(ms);
     for (int i = 0; i < 5; ++i) ph[size_t(i)].push_back(HMOE_ISA::g_phase_ms[i]);
+    for (int g = 0; g < 2; ++g) {  // workers' time inside GEMM tasks
+      double sum = 0, mx = 0;
+      for (int w = 0; w < std::min(threads, 64); ++w)
+        sum += HMOE_ISA::g_busy_ms[g][w], mx = std::max(mx, HMOE_ISA::g_busy_ms[g][w]);
+      busy_mean[size_t(g)].push_back(sum / std::min(threads, 64));
+      busy_max[size_t(g)].push_back(mx);
+    }
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -164,5 +173,7 @@ int main(int argc, char** argv) {
       fmt_name.c_str(), (long long)H, (long long)I, (long long)E, (long long)K, (long long)T, threads, mode.c_str(),
       best, *std::min_element(total.begin(), total.end()), flop / best / 1e6, phases[0], phases[1], phases[2],
       phases[3], phases[4]);
+  std::printf("  workers' time in tasks, mean / max: gemm1 %.3f / %.3f, gemm2 %.3f / %.3f ms\n", median(busy_mean[0]),
+              median(busy_max[0]), median(busy_mean[1]), median(busy_max[1]));
   return 0;
 }

@@ -66,8 +66,10 @@ struct Tiles {
   // `accumulate`; kpad a multiple of 32. A (bf16): the tile of rows 0-15 of the t-th 32-k step at
   // A0 + t * astep, rows 16-31 at A1 + t * astep, lda elements between a tile's rows; B0/B1 are
   // packed blocks [kpad/2][16][2]. tmm0..3 accumulate, tmm4/5 hold the A tiles, tmm6/7 B0/B1.
+  // step() runs once a k step (the caller's prefetches).
+  template <class Step = NoStep>
   static void mma_2x2(const uint16_t* A0, const uint16_t* A1, int64_t lda, int64_t astep, const uint16_t* B0,
-                      const uint16_t* B1, int64_t kpad, bool accumulate, float* C, int64_t ldc) {
+                      const uint16_t* B1, int64_t kpad, bool accumulate, float* C, int64_t ldc, Step step = {}) {
     if (accumulate) {
       _tile_loadd(0, C, ldc * 4);
       _tile_loadd(1, C + 16, ldc * 4);
@@ -88,6 +90,7 @@ struct Tiles {
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
+      step();
     }
     _tile_stored(0, C, ldc * 4);
     _tile_stored(1, C + 16, ldc * 4);

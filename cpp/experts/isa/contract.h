@@ -33,8 +33,8 @@
 //                 A[32, kpad] x two bf16 blocks, fp32, optionally added to C), mma_i8_2x2 (C[32][32] int32 =
 //                 A[32, group] int8 x two int8 group chunks of unsigned bytes, or signed ones with
 //                 <true>, kstep k a step; A comes as two 16-row tiles per k step, astep apart: panel.h's
-//                 tile order; an optional last argument, a functor it calls once a k step, NoStep
-//                 by default) and s4_lo / s4_hi (int4 bytes' nibbles as signed bytes q)
+//                 tile order; both take an optional last argument, a functor they call once a k
+//                 step, NoStep by default) and s4_lo / s4_hi (int4 bytes' nibbles as signed bytes q)
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -47,7 +47,7 @@ struct NoTiles {
   static constexpr bool kAvailable = false;
 };
 
-// mma_i8_2x2's default per-step callback: nothing.
+// The tile GEMMs' default per-step callback: nothing.
 struct NoStep {
   void operator()() const {}
 };
