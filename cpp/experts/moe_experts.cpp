@@ -291,33 +291,33 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   clock.mark(0);
   // GEMM1 + silu(gate) * up, one task per (expert, range of gate/up block pairs).
   auto tasks1 = make_tasks(r, n_pairs, isa::kNR / 2, threads);
-  pool.parallel_for(
-      int64_t(tasks1.size()), threads1, busy_timed(0, [&](int64_t ti, int w) {
-        const Task& tk = tasks1[size_t(ti)];
-        const int64_t e = r.active[size_t(tk.a)];
-        const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
-        const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? bytes13 : 2 * p.I * p.H * wsz);
-        const TileA xt = x_tiles.has(tk.a) ? x_tiles.tiles(tk.a) : TileA{};
-        auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
-          pack_w13_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
-        };
-        run_blocks(w, w13e, 2 * tk.b0, 2 * tk.b1, block13, pack, [&](int64_t c0, int nb, const void* const* B) {
-          task_gemm<Fmt>(rows, X.at(row0), x_tiles.has(tk.a) ? &xt : nullptr, B, nb, k13,
-                         [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
-                           float h[kBlockN];
-                           for (int i = 0; i < m; ++i)
-                             for (int64_t q = 0; q < nbk / 2; ++q) {
-                               const float* c = C + i * ldc + 2 * q * kBlockN;
-                               silu_mul16(c, c + kBlockN, h);
-                               const int64_t col = (c0 / 2 + b0 / 2 + q) * kBlockN;
-                               if constexpr (kQuantAct)
-                                 Hf.store_cols(row0 + r0 + i, col, h, kBlockN);
-                               else
-                                 Hact.store_cols(row0 + r0 + i, col, h, kBlockN);
-                             }
-                         });
-        });
-      }));
+  auto gemm1_task = [&](int64_t ti, int w) {
+    const Task& tk = tasks1[size_t(ti)];
+    const int64_t e = r.active[size_t(tk.a)];
+    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+    const char* w13e = static_cast<const char*>(p.w13) + e * (p.packed ? bytes13 : 2 * p.I * p.H * wsz);
+    const TileA xt = x_tiles.has(tk.a) ? x_tiles.tiles(tk.a) : TileA{};
+    auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
+      pack_w13_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
+    };
+    run_blocks(w, w13e, 2 * tk.b0, 2 * tk.b1, block13, pack, [&](int64_t c0, int nb, const void* const* B) {
+      task_gemm<Fmt>(rows, X.at(row0), x_tiles.has(tk.a) ? &xt : nullptr, B, nb, k13,
+                     [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
+                       float h[kBlockN];
+                       for (int i = 0; i < m; ++i)
+                         for (int64_t q = 0; q < nbk / 2; ++q) {
+                           const float* c = C + i * ldc + 2 * q * kBlockN;
+                           silu_mul16(c, c + kBlockN, h);
+                           const int64_t col = (c0 / 2 + b0 / 2 + q) * kBlockN;
+                           if constexpr (kQuantAct)
+                             Hf.store_cols(row0 + r0 + i, col, h, kBlockN);
+                           else
+                             Hact.store_cols(row0 + r0 + i, col, h, kBlockN);
+                         }
+                     });
+    });
+  };
+  pool.parallel_for(int64_t(tasks1.size()), threads1, busy_timed(0, gemm1_task));
   clock.mark(1);
   if constexpr (kQuantAct)
     for_rows(S, std::max(threads1, threads_for(S * p.I * 4, threads)),
@@ -327,25 +327,25 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
 
   // GEMM2: one task per (expert, range of output blocks); Y rows stay fp32.
   auto tasks2 = make_tasks(r, n_out, isa::kNR, threads);
-  pool.parallel_for(int64_t(tasks2.size()), threads_for(n_active * bytes2 * tiles, threads),
-                    busy_timed(1, [&](int64_t ti, int w) {
-                      const Task& tk = tasks2[size_t(ti)];
-                      const int64_t e = r.active[size_t(tk.a)];
-                      const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
-                      const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? bytes2 : p.H * p.I * wsz);
-                      const TileA ht = h_tiles.has(tk.a) ? h_tiles.tiles(tk.a) : TileA{};
-                      auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
-                        pack_w2_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
-                      };
-                      run_blocks(w, w2e, tk.b0, tk.b1, block2, pack, [&](int64_t c0, int nb, const void* const* B) {
-                        task_gemm<Fmt>(rows, Hact.at(row0), h_tiles.has(tk.a) ? &ht : nullptr, B, nb, k2,
-                                       [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
-                                         for (int i = 0; i < m; ++i)
-                                           std::memcpy(Y + (row0 + r0 + i) * ldy + (c0 + b0) * kBlockN, C + i * ldc,
-                                                       size_t(nbk * kBlockN * 4));
-                                       });
-                      });
-                    }));
+  auto gemm2_task = [&](int64_t ti, int w) {
+    const Task& tk = tasks2[size_t(ti)];
+    const int64_t e = r.active[size_t(tk.a)];
+    const int64_t row0 = r.offset[size_t(e)], rows = r.offset[size_t(e + 1)] - row0;
+    const char* w2e = static_cast<const char*>(p.w2) + e * (p.packed ? bytes2 : p.H * p.I * wsz);
+    const TileA ht = h_tiles.has(tk.a) ? h_tiles.tiles(tk.a) : TileA{};
+    auto pack = [&](const char* src, int64_t c0, int64_t c1, char* dst) {
+      pack_w2_blocks(src, p.w_format, p.H, p.I, c0, c1, dst);
+    };
+    run_blocks(w, w2e, tk.b0, tk.b1, block2, pack, [&](int64_t c0, int nb, const void* const* B) {
+      task_gemm<Fmt>(rows, Hact.at(row0), h_tiles.has(tk.a) ? &ht : nullptr, B, nb, k2,
+                     [&](int64_t r0, int m, int64_t b0, int64_t nbk, const float* C, int64_t ldc) {
+                       for (int i = 0; i < m; ++i)
+                         std::memcpy(Y + (row0 + r0 + i) * ldy + (c0 + b0) * kBlockN, C + i * ldc,
+                                     size_t(nbk * kBlockN * 4));
+                     });
+    });
+  };
+  pool.parallel_for(int64_t(tasks2.size()), threads_for(n_active * bytes2 * tiles, threads), busy_timed(1, gemm2_task));
   clock.mark(3);
   combine(p, r, Y, ldy, threads);
   clock.mark(4);

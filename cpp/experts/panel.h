@@ -88,22 +88,29 @@ class L2Ahead {
   int64_t total_ = 0, line_ = 0, left_ = 0, per_ = 0;
 };
 
-// The prefetches of one block pair (index `pair` of `pairs`, `steps` tile steps over all its row
-// passes): the next pair's two weight ranges (b0, b1: null for none) whole, and the pair's share
-// of the next chunk's activation tiles, `rows` rows in 16-row tiles from `a` (null for none),
-// `a_bytes` a tile, `a_stride` apart.
+// The prefetches of block pair j (blocks B[j], B[j + 1] of nb) while the K chunk at byte `off` of
+// each block runs, over its `steps` tile steps (all row passes): the next pair's `bytes` from
+// `off`, or after the last pair the first pair's next chunk (`next_bytes` from `next_off`; none
+// when next_off < 0); and the pair's share of the next chunk's activation tiles, `rows` rows in
+// 16-row tiles from `a0` (null for none), `a_bytes` a tile, `a_stride` apart.
 struct PairAhead {
   L2Ahead b, a;
-  void plan(const void* b0, const void* b1, int64_t b_bytes, const char* a0, int64_t a_bytes, int64_t a_stride,
-            int64_t rows, int64_t pair, int64_t pairs, int64_t steps) {
+  void plan(const void* const* B, int nb, int j, int64_t off, int64_t bytes, int64_t next_off, int64_t next_bytes,
+            const char* a0, int64_t a_bytes, int64_t a_stride, int64_t rows, int64_t steps) {
+    const bool last = j + 2 >= nb;
+    const int bj = last ? 0 : j + 2;
+    const int64_t o = last ? next_off : off, n = last ? next_bytes : bytes;
     b.clear(), a.clear();
-    if (kAheadB && b0) {
-      b.add(b0, b_bytes);
-      if (b1 != b0) b.add(b1, b_bytes);
+    if (kAheadB && o >= 0) {
+      const char* b0 = static_cast<const char*>(B[bj]) + o;
+      const char* b1 = static_cast<const char*>(B[std::min(bj + 1, nb - 1)]) + o;
+      b.add(b0, n);
+      if (b1 != b0) b.add(b1, n);
     }
     b.spread(0, b.lines(), steps);
     if (kAheadA && a0)
       for (int64_t r = 0; r < rows; r += 16) a.add(a0 + r / 16 * a_stride, a_bytes);
+    const int64_t pair = j / 2, pairs = (nb + 1) / 2;
     a.spread(a.lines() * pair / pairs, a.lines() * (pair + 1) / pairs, steps);
   }
   void operator()() {
@@ -160,19 +167,16 @@ void tiles_bf16(int64_t rows, const TileA& A, const void* const* B, int nb, cons
   if constexpr (T::kAvailable) {
     const int64_t kp = Fmt::packed_k(K.kd, 0), kc = std::max<int64_t>(32, kTileChunkBytes / 32 / 2 / 32 * 32);
     const int64_t astep = 16 * 32;  // elements between the tiles of consecutive 32-k steps
-    const auto blk = [&](int j) { return static_cast<const uint16_t*>(B[std::min(j, nb - 1)]); };
-    const int64_t pairs = (nb + 1) / 2, a_stride = A.ncols * 16 * A.kw;
+    const int64_t a_stride = A.ncols * 16 * A.kw;
     PairAhead ahead;
     T::begin();
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
       const int64_t kn = std::min(kc, kp - k0), k1 = k0 + kc, kn1 = std::min(kc, kp - k1);
       for (int j = 0; j < nb; j += 2) {
-        const bool last = j + 2 >= nb;
-        const int64_t bk = last ? k1 : k0, bj = last ? 0 : j + 2;
-        ahead.plan(last && k1 >= kp ? nullptr : blk(bj) + bk * 16, blk(bj + 1) + bk * 16, (last ? kn1 : kn) * 32,
-                   k1 < kp ? A.at(0, 2 * k1) : nullptr, 32 * kn1, a_stride, rows, j / 2, pairs, rows / 32 * (kn / 32));
-        const uint16_t* b0 = blk(j) + k0 * 16;
-        const uint16_t* b1 = blk(j + 1) + k0 * 16;
+        ahead.plan(B, nb, j, 32 * k0, 32 * kn, k1 < kp ? 32 * k1 : -1, 32 * kn1, k1 < kp ? A.at(0, 2 * k1) : nullptr,
+                   32 * kn1, a_stride, rows, rows / 32 * (kn / 32));
+        const uint16_t* b0 = static_cast<const uint16_t*>(B[j]) + k0 * 16;
+        const uint16_t* b1 = static_cast<const uint16_t*>(B[std::min(j + 1, nb - 1)]) + k0 * 16;
         for (int64_t r = 0; r < rows; r += 32)
           T::mma_2x2(reinterpret_cast<const uint16_t*>(A.at(r, 2 * k0)),
                      reinterpret_cast<const uint16_t*>(A.at(r + 16, 2 * k0)), 32, astep, b0, b1, kn, k0 > 0,
@@ -202,17 +206,15 @@ void tiles_int(int64_t rows, const TileA& A, const ActRows<Act::kI8>::Panel& As,
     if constexpr (Fmt::kBits == 4) unpacked.resize(size_t(2 * gc * wbytes));
     for (int64_t i = 0; i < rows * ldc; ++i) C[i] = 0.f;  // rows a multiple of 32 here
     const auto blk = [&](int j) { return static_cast<const uint8_t*>(B[std::min(j, nb - 1)]); };
-    const int64_t pairs = (nb + 1) / 2, a_stride = A.ncols * 16 * A.kw;
+    const int64_t a_stride = A.ncols * 16 * A.kw;
     PairAhead ahead;
     T::begin_i8(kstep);
     for (int64_t g0 = 0; g0 < K.groups; g0 += gc) {
       const int64_t gn = std::min(gc, K.groups - g0), g1 = g0 + gc, gn1 = std::min(gc, K.groups - g1);
       for (int j = 0; j < nb; j += 2) {
-        const bool last = j + 2 >= nb;
-        const int64_t bg = last ? g1 : g0, bj = last ? 0 : j + 2;
-        ahead.plan(last && g1 >= K.groups ? nullptr : blk(bj) + bg * chunk, blk(bj + 1) + bg * chunk,
-                   (last ? gn1 : gn) * chunk, g1 < K.groups ? A.at(0, g1 * group) : nullptr, 16 * gn1 * group, a_stride,
-                   rows, j / 2, pairs, rows / 32 * gn * (group / kstep));
+        ahead.plan(B, nb, j, g0 * chunk, gn * chunk, g1 < K.groups ? g1 * chunk : -1, gn1 * chunk,
+                   g1 < K.groups ? A.at(0, g1 * group) : nullptr, 16 * gn1 * group, a_stride, rows,
+                   rows / 32 * gn * (group / kstep));
         const uint8_t* src[2] = {blk(j), blk(j + 1)};
         const uint8_t* w[2];  // group g0's weights of each block, then one group every `wstride`
         int64_t wstride = chunk;
