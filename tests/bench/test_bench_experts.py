@@ -1,6 +1,7 @@
 # Tests for `python -m hmoe.bench experts`: runs the bench in-process on tiny shapes and checks its CLI, table and JSON.
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -58,7 +59,7 @@ def test_cli_formats_and_flags(capsys):
     assert (opts.int8_group, opts.int4_group, opts.peer, opts.peer_threads, opts.idle_ms) == (64, 32, "none", 3, 0)
     assert bench.parse_args(["--dtypes", "bf16,fp16"], "prog").formats == ["bf16", "fp16"]  # the older name
     bad = (["--formats", "bf16,int3"], ["--formats", ","], ["--int4-group", "100"], ["--int8-group", "7"],
-           ["--peer", "llama"], ["--idle-ms", "-1"], ["--peer-threads", "0"], ["--tokens", "0"])
+           ["--peer", "llama"], ["--idle-ms", "-1"], ["--peer-threads", "0"], ["--tokens", "0"], ["--rounds", "0"])
     for argv in bad:
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv, "prog")
@@ -120,6 +121,39 @@ def test_tiny_run_table_and_json(tmp_path, capsys):
     assert data["failures"] == 0 and not data["skipped"]
     isa = {r["isa"] for r in rows if r["impl"] == "CPUExperts"}
     assert len(isa) == 1 and isa != {"auto"}
+
+
+def test_rounds_pool_the_calls_and_pair_the_ratios(tmp_path, capsys):
+    rc, out, data = run_bench(tmp_path, capsys, "--tokens", "2,33", "--formats", "fp32", "--repeats", "3",
+                              "--rounds", "3")
+    assert rc == 0, out
+    assert data["meta"]["rounds"] == 3 and "all blocks 3 times (rounds" in out
+    rows = data["results"]
+    assert len(table_rows(out)) == len(rows) == 5  # torch loop, CPUExperts at both T; moe_experts_cpu at T = 2
+    for r in rows:
+        assert r["rounds"] == 3 and len(r["rounds_ms"]) == 3 and all(t > 0 for t in r["rounds_ms"])
+        # --quick stops a block after min_repeats once its time budget is spent: 1 to 3 calls a round
+        assert 3 <= r["repeats"] == len(r["ms_all"]) == len(r["b2b_ms_all"]) <= 9
+        assert r["ms"] == pytest.approx(1e3 * statistics.median(t / 1e3 for t in r["ms_all"]))
+        assert len(r["speedup_rounds"]) == 3 and r["vs_kt_rounds"] == [None] * 3 and r["vs_kt"] is None
+        assert r["speedup"] == statistics.median(r["speedup_rounds"])
+        if r["impl"] == "torch-loop":
+            assert r["speedup_rounds"] == [1.0] * 3
+        else:
+            assert r["check"]["ok"] and 0 < r["err_fp64"] < 5e-2
+
+
+def test_merge_rounds_keeps_a_failed_round():
+    shape = bench.Shape("custom", 128, 64, 8, 2, 8)
+    good = {"impl": "CPUExperts", "repeats": 1, "ms": 2.0, "ms_all": [2.0], "b2b_ms_all": [1.0], "b2b_ms": 1.0,
+            "bytes_per_expert": 100, "speedup": 3.0, "vs_kt": None}
+    merged = experts_run.merge_rounds([good, dict(good, ms_all=[4.0], ms=4.0, speedup=1.0)], [2, 3], 10.0, shape, 4)
+    assert merged["rounds"] == 2 and merged["ms_all"] == [2.0, 4.0] and merged["ms"] == 3.0
+    # each round calls batches 0, 1, ...: batch 0 hits 2 experts in both
+    assert merged["bytes_hit_mean"] == 200 and merged["speedup"] == 2.0 and merged["speedup_rounds"] == [3.0, 1.0]
+    failed = experts_run.merge_rounds([good, {"impl": "CPUExperts", "error": "RuntimeError: boom"}], [2], 10.0, shape, 4)
+    assert failed["error"] == "RuntimeError: boom" and failed["rounds"] == 2 and "ms" not in failed
+    assert experts_run.merge_rounds([good], [2], 10.0, shape, 4) == dict(good, rounds=1)
 
 
 def test_err_column_against_an_independent_reference(tmp_path, capsys, monkeypatch):
@@ -299,6 +333,9 @@ def test_memory_estimate_grows_with_what_is_held():
     bf16_need, how = bench.memory_needed(s, "bf16", with_peer=False)
     assert bf16_need > 2 * s.weight_bytes(2) and "weights" in how
     assert bench.memory_needed(s, "bf16", with_peer=True)[0] > bf16_need  # kt's copies come on top
+    # with rounds, kt-kernel loads again while hmoe's packed copy is held
+    assert bench.memory_needed(s, "bf16", with_peer=True, rounds=2)[0] > bench.memory_needed(s, "bf16", True)[0]
+    assert bench.memory_needed(s, "bf16", with_peer=False, rounds=2)[0] == bf16_need
     assert bench.memory_needed(s, "fp32", with_peer=False)[0] > bf16_need
     assert bench.memory_needed(s, "int4", with_peer=False)[0] >= 3 * s.weight_bytes(2)  # quantize's fp32 temporary
 

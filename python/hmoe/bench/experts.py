@@ -52,14 +52,18 @@ DEFAULT_FORMATS = "bf16,int8,int4,fp8"
 _FORMAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "int4": 0.5, "fp8": 1}
 
 
-def memory_needed(shape: Shape, fmt: str, with_peer: bool) -> tuple[int, str]:
+def memory_needed(shape: Shape, fmt: str, with_peer: bool, rounds: int = 1) -> tuple[int, str]:
     """Peak bytes one (shape, format) needs, and how that was counted: the original weights, then
     the larger of kt's stage (our bf16 copies, kt's own copy and its load-time temporaries) and
-    hmoe's (the quantised weights, their packed copy, quantize's fp32 temporary), plus slack."""
+    hmoe's (the quantised weights, their packed copy, quantize's fp32 temporary), plus slack; with
+    more than one round kt-kernel loads while hmoe's copies are held, so both."""
     w = shape.weight_bytes(_FORMAT_BYTES[weight_dtype_name(fmt)])
     q = shape.weight_bytes(_FORMAT_BYTES[fmt]) * 1.05
     kt = 2.5 * w if with_peer and fmt in kt_peer.KT_CLASSES else 0
     hmoe = 1.15 * q if fmt in FLOAT_FORMATS else max(2 * w, 2.2 * q)
+    if rounds > 1 and kt:
+        return int(w + kt + hmoe) + (512 << 20), (f"weights {w / 1e9:.2f} GB + {kt / 1e9:.2f} GB for kt-kernel + "
+                                                  f"{hmoe / 1e9:.2f} GB for the quantised and packed copies + slack")
     need = int(w + max(kt, hmoe)) + (512 << 20)
     return need, (f"weights {w / 1e9:.2f} GB + {max(kt, hmoe) / 1e9:.2f} GB for "
                   f"{'kt-kernel' if kt > hmoe else 'the quantised and packed copies'} + slack")
@@ -105,6 +109,9 @@ def parse_args(argv, prog):
     p.add_argument("--peer", default="auto", choices=("auto", "kt-kernel", "none"),
                    help="other implementation in the same run (default auto: kt-kernel when it loads, else none)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 10; --quick 2)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of every implementation's blocks, kt-kernel's first and last in turn; the ratios "
+                        "are then medians over the rounds of each round's ratio (default 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; --quick 1)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="stop repeating cold calls after this many seconds, once 3 are done (default 20)")
@@ -145,9 +152,9 @@ def parse_args(argv, prog):
             opts.shape_list = [dataclasses.replace(SHAPES[s], experts=v3_e) if s == "v3" else SHAPES[s] for s in names]
     except ValueError as e:
         p.error(str(e))
-    if (not opts.tokens or any(t < 1 for t in opts.tokens) or opts.repeats < 1
+    if (not opts.tokens or any(t < 1 for t in opts.tokens) or opts.repeats < 1 or opts.rounds < 1
             or any(n is not None and n < 1 for n in (opts.threads, opts.peer_threads)) or opts.idle_ms < 0):
-        p.error("--tokens, --repeats, --threads and --peer-threads must be positive, --idle-ms not negative")
+        p.error("--tokens, --repeats, --rounds, --threads and --peer-threads must be positive, --idle-ms not negative")
     for s in opts.shape_list:
         if not (s.top_k <= s.experts <= s.experts_total):
             p.error(f"{s.name}: need top_k ({s.top_k}) <= resident experts ({s.experts}) <= {s.experts_total}")
@@ -191,7 +198,7 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
             "peer": ({"name": "kt-kernel", "version": kt.version, "variant": kt.variant, "loaded": kt.how,
                       "classes": {f: kt_peer.pick_class(kt, f)[0] for f in kt_peer.KT_CLASSES
                                   if _offers(kt, f)}} if kt else None),
-            "peer_note": peer_line, "repeats": opts.repeats, "warmup": opts.warmup,
+            "peer_note": peer_line, "repeats": opts.repeats, "rounds": opts.rounds, "warmup": opts.warmup,
             "time_budget_s": opts.time_budget, "cache_flush": not opts.no_flush, "idle_ms": opts.idle_ms,
             "block_gap_ms": 100, "cpu_busy_before": busy,
             "timing": "time.perf_counter per call; medians over calls; cold: eviction + idle before each call, "
@@ -215,7 +222,7 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
         print(f"{s.name}: H={s.hidden} I={s.inter} E={s.experts} top-{s.top_k}{note}")
     groups = f"int8 {'per row' if opts.int8_group is None else f'group {opts.int8_group}'}, int4 group {opts.int4_group}"
     print(f"formats: {', '.join(opts.formats)} ({groups}; fp8: (128, 128) blocks; quantised from bf16 weights)")
-    print(experts_table.legend(opts.idle_ms, not opts.no_flush, kt is not None) + "\n")
+    print(experts_table.legend(opts.idle_ms, not opts.no_flush, kt is not None, opts.rounds) + "\n")
     print(experts_table.format_header(), flush=True)
     rows, skipped = [], []
 
@@ -228,7 +235,7 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
     for shape in opts.shape_list:
         weights = None  # (dtype name, w13, w2): the quantised formats share the bf16 weights
         for fmt in opts.formats:
-            need, how = memory_needed(shape, fmt, kt is not None)
+            need, how = memory_needed(shape, fmt, kt is not None, opts.rounds)
             avail = membw.mem_available_bytes()
             wname = weight_dtype_name(fmt)
             if weights is not None and weights[0] != wname:

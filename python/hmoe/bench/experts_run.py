@@ -278,7 +278,9 @@ def hmoe_impls(fmt, w13, w2, opts, progress, shape):
 
 def run_shape_format(shape, fmt, w13, w2, ctx):
     """Every T for one (shape, format): kt-kernel's blocks first (then torn down), then the torch
-    loop's and hmoe's, each in its own block; rows are printed per T once all are measured."""
+    loop's and hmoe's, each in its own block; with --rounds N all of that N times, kt-kernel's blocks
+    first in even rounds and last in odd ones (hmoe packs its weights once); rows are printed per T
+    once all are measured, merged over the rounds (merge_rounds)."""
     import torch
 
     opts = ctx.opts
@@ -296,30 +298,72 @@ def run_shape_format(shape, fmt, w13, w2, ctx):
         group = {"group_size": opts.int4_group}
     else:
         group = {}
-    peer = run_kt(shape, fmt, w13, w2, inputs, hits, base, ctx) if ctx.kt is not None else {}
-    impls, quantised, info = hmoe_impls(fmt, w13, w2, opts, ctx.progress, shape)
+    impls = quantised = info = None
+    rounds = {T: [] for T in opts.tokens}  # per T, per round: [(row, first cold output)]
+    for rnd in range(opts.rounds):
+        kt_first = rnd % 2 == 0
+        peer = run_kt(shape, fmt, w13, w2, inputs, hits, base, ctx) if ctx.kt is not None and kt_first else {}
+        if impls is None:
+            impls, quantised, info = hmoe_impls(fmt, w13, w2, opts, ctx.progress, shape)
+        measured = {T: _measure_impls(impls, dict(base[T], **group), info, inputs[T], hits[T], ctx, shape, T)
+                    for T in opts.tokens}
+        if ctx.kt is not None and not kt_first:
+            peer = run_kt(shape, fmt, w13, w2, inputs, hits, base, ctx)
+        for T in opts.tokens:
+            if T in peer:
+                measured[T].append(peer[T])
+            _ratios([row for row, _ in measured[T]])
+            rounds[T].append(measured[T])
     for T in opts.tokens:
-        measured = []
-        for name, isa, fn, err, per_expert in impls:
-            if name == "moe_experts_cpu" and T > DECODE_MAX_T:
-                continue
-            row = dict(base[T], **group, impl=name, isa=isa, threads=opts.threads)
-            if name != "torch-loop":
-                row.update(info)
-            out = None
-            if fn is None or err:
-                row["error"] = err or "not available"
-            else:
-                out = measure(row, fn, inputs[T], hits[T], per_expert, ctx, shape, T)
-            measured.append((row, out))
-        if T in peer:
-            measured.append(peer[T])
-        _accuracy(measured, inputs[T](0), w13, w2, quantised)
-        _ratios([row for row, _ in measured])
-        for row, _ in measured:
+        merged = [(merge_rounds([r[i][0] for r in rounds[T]], hits[T], ctx.read_gbps, shape, T), rounds[T][0][i][1])
+                  for i in range(len(rounds[T][0]))]
+        _accuracy(merged, inputs[T](0), w13, w2, quantised)
+        for row, _ in merged:
             ctx.emit(row)
     for f in inputs.values():
         f.cache_clear()
+
+
+def _measure_impls(impls, base, info, inputs, hits, ctx, shape, T) -> list:
+    """The blocks of the torch loop and hmoe's implementations at T: [(row, first cold output)]."""
+    measured = []
+    for name, isa, fn, err, per_expert in impls:
+        if name == "moe_experts_cpu" and T > DECODE_MAX_T:
+            continue
+        row = dict(base, impl=name, isa=isa, threads=ctx.opts.threads)
+        if name != "torch-loop":
+            row.update(info)
+        out = None
+        if fn is None or err:
+            row["error"] = err or "not available"
+        else:
+            out = measure(row, fn, inputs, hits, per_expert, ctx, shape, T)
+        measured.append((row, out))
+    return measured
+
+
+def merge_rounds(rows, hits, read_gbps, shape, T) -> dict:
+    """One implementation's rows of every round as one row: the first round's, with its times over
+    every round's calls, and its ratios (vs torch, vs kt) the medians over the rounds of each round's
+    ratio (the two blocks of a round ran close together, so the host's drift moves both alike); the
+    rounds' own values stay in "rounds_ms", "speedup_rounds", "vs_kt_rounds"."""
+    failed = next((r for r in rows if r.get("error") or r.get("unsupported")), None)
+    if len(rows) == 1 or failed is not None:  # a failed round's row says what failed
+        return dict(failed or rows[0], rounds=len(rows))
+    row = dict(rows[0])
+    cold = [t / 1e3 for r in rows for t in r["ms_all"]]
+    b2b = [t / 1e3 for r in rows for t in r["b2b_ms_all"]]
+    call_hits = [h for r in rows for h in hits[: r["repeats"]]]
+    row.update(timing_fields(cold, b2b, call_hits, row["bytes_per_expert"], read_gbps, shape, T))
+    row["rounds"] = len(rows)
+    row["rounds_ms"] = [r["ms"] for r in rows]
+    loads = [r["other_load"] for r in rows if r.get("other_load") is not None]
+    row["other_load"] = max(loads) if loads else None
+    for key in ("speedup", "vs_kt"):
+        per = [r.get(key) for r in rows]
+        row[f"{key}_rounds"] = per
+        row[key] = statistics.median(per) if all(v is not None for v in per) else None
+    return row
 
 
 def _accuracy(measured, batch, w13, w2, quantised):

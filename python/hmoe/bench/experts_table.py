@@ -48,15 +48,19 @@ def format_header() -> str:
     return table_header(COLUMNS)
 
 
-def legend(idle_ms: float, flush: bool, peer: bool) -> str:
+def legend(idle_ms: float, flush: bool, peer: bool, rounds: int = 1) -> str:
     evict = "the caches are evicted (a read of 2x the LLC), then " if flush else ""
     kt = ("; kt-kernel takes bf16 activations only, its rows get x rounded to bf16" if peer else "")
+    blocks = ("each implementation is timed in its own block of calls (warm-up, cold calls, back-to-back calls), "
+              "100 ms idle between blocks;")
+    if rounds > 1:
+        blocks += (f" all blocks {rounds} times (rounds; kt-kernel's first and last in turn): cold and b2b over "
+                   "every round's calls, vs torch and vs kt the medians over the rounds of each round's ratio;")
     return "\n".join([
         f"cold = median time of calls each made after {evict}{idle_ms:g} ms idle (every thread pool asleep, "
         "as after other layers ran);",
         "b2b = median time of the same routed batches called back to back in a tight loop (no eviction, no gap);",
-        "each implementation is timed in its own block of calls (warm-up, cold calls, back-to-back calls), "
-        "100 ms idle between blocks;",
+        blocks,
         "MB/call = weight bytes (packed, scales included, in this row's own storage) of the distinct experts a "
         "call hits; GB/s = that / cold time;",
         "%read, b2b%rd = GB/s of the cold, back-to-back time / the read bandwidth: the decode ceiling (the "
