@@ -123,10 +123,9 @@ int threads_for(int64_t bytes, int threads) { return int(std::clamp<int64_t>(byt
 // Splits each active expert's n_blocks into chunks (multiples of `unit`) so that there are enough
 // tasks to keep every thread busy, in hand-out order; the last HMOE_TUNE_TASK_TAIL x threads
 // chunks go in quarters, so that the workers finish together: a worker that runs slower than the
-// others (on the 16-vCPU AMX hosts some vCPUs ran the tile unit at 40% of the others' rate, which
-// ones changing from run to run) then holds the phase up by a quarter task at most. With whole
-// chunks to the end the workers' time in tasks was 93-96% of GEMM1's wall time (tools/experts_tune,
-// V3 T=512, an H200 machine's host), with the quarters 98-99%.
+// others (on shared hosts some vCPUs run the tile unit at half the others' rate or less, which ones
+// changing from run to run) then holds the phase up by a quarter task at most (measured in
+// docs/perf/experts.md).
 std::vector<Task> make_tasks(const Routing& r, int64_t n_blocks, int64_t unit, int threads) {
   int64_t total = int64_t(r.active.size()) * n_blocks;
   int64_t chunk = std::clamp<int64_t>(total / (8 * int64_t(threads)), 1, HMOE_TUNE_TASK_UNITS);
