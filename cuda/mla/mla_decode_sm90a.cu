@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "attention/mma.cuh"
+#include "attention/row_stage.cuh"
 #include "attention/softmax.cuh"
 #include "attention/wgmma.cuh"
 #include "common/cuda_util.h"
@@ -83,6 +84,7 @@ struct Smem {
   static constexpr int end = lsum + 2 * kHeads * 4;
   static constexpr int bytes = end + 1024;
 };
+static_assert(kStages * kTileBytes >= kHeads * kMlaDimCkv * 2, "the epilogue stages a CTA's output rows in the ring");
 // Named barriers (0 is __syncthreads): the consumers' end, each consumer alone (2 + c), P of a ring
 // stage (kBarP + stage: its owner arrives, the other consumer waits).
 constexpr int kBarEnd = 1, kBarOwn = 2, kBarP = 4;
@@ -391,29 +393,44 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (q4 == 0) lsum[c * kHeads + r0] = l_run[0], lsum[c * kHeads + r0 + 8] = l_run[1];
   named_sync(kBarEnd, kConsumerThreads);
   grid_dependents_may_launch();
+  // Normalised rows: the output (q's dtype) goes through the ring (idle now: every tile is consumed,
+  // every wgmma done) and leaves in 16-byte rows (attention/row_stage.cuh): stored straight from the
+  // accumulator layout, a warp instruction writes 8 rows x 16 bytes, half sectors. A split's fp32
+  // partial is stored directly: 8 rows x 32 bytes, whole sectors (staging it was slower: see
+  // docs/perf/mla_decode.md).
+  const bool partial = p.num_splits > 1;
+  const uint32_t stage = smem + Smem::kv;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h, head = head0 + row;
-    if (head >= p.heads) continue;
     const float l = lsum[row] + lsum[kHeads + row];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse2 = attn::lse2(t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY, l);
-    const int64_t bh = int64_t(b) * p.heads + head;
+    const int64_t bh = int64_t(b) * p.heads + min(head, p.heads - 1);
     const int col0 = 256 * c + 2 * q4;
-    if (p.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + bh * kMlaDimCkv + col0;
+    if (!partial) {
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (p.lse != nullptr && c == 0 && q4 == 0) p.lse[bh] = lse2 * kLn2;
-    } else {
-      const int64_t sbh = int64_t(split) * p.batch * p.heads + bh;
-      float* out = p.partial_o + sbh * kMlaDimCkv + col0;
+        attn::stage_pair<T>(stage, kMlaDimCkv * int(sizeof(T)), row, col0 + 8 * j, o[4 * j + 2 * h] * inv,
+                            o[4 * j + 2 * h + 1] * inv);
+    } else if (head < p.heads) {
+      float* out = p.partial_o + (int64_t(split) * p.batch * p.heads + bh) * kMlaDimCkv + col0;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (c == 0 && q4 == 0) p.partial_lse[sbh] = lse2;
     }
+    if (c == 0 && q4 == 0 && head < p.heads) {
+      const float lse2 = attn::lse2(t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY, l);
+      if (partial)
+        p.partial_lse[int64_t(split) * p.batch * p.heads + bh] = lse2;
+      else if (p.lse != nullptr)
+        p.lse[bh] = lse2 * kLn2;
+    }
+  }
+  if (!partial) {
+    named_sync(kBarEnd, kConsumerThreads);
+    attn::copy_out(stage, kMlaDimCkv * int(sizeof(T)), min(kHeads, p.heads - head0),
+                   static_cast<T*>(p.out) + (int64_t(b) * p.heads + head0) * kMlaDimCkv, threadIdx.x - 128,
+                   kConsumerThreads);
   }
 }
 
