@@ -47,6 +47,21 @@ def test_flop_and_byte_accounting():
     assert bench.bytes_moved(bench.Shape(128, 8192, 16)) > 1.2e9  # the largest cache, as the brief says
 
 
+def test_floor_is_the_slower_of_bytes_and_flops(monkeypatch):
+    # 16 heads: bandwidth-bound; 128 heads: compute-bound at these rates (ridge at 806e3 / 4277 = 188 FLOP/B)
+    s16, s128 = bench.Shape(64, 4096, 16), bench.Shape(64, 4096, 128)
+    us, by = bench.floor_us(s16, 4277.0, 806.0)
+    assert by == "bytes" and us == pytest.approx(bench.bytes_moved(s16) / 4277e3)
+    us, by = bench.floor_us(s128, 4277.0, 806.0)
+    assert by == "FLOPs" and us == pytest.approx(bench.flops(s128) / 806e6)
+    assert 90 < us < 91  # the 90.6 us of the H200 table in docs/perf/mla_decode.md
+    monkeypatch.setattr(bench, "time_calls", lambda fn, opts, flush: {"us": 2 * us, "timing": "graph"})
+    res = bench.measure(None, s128, None, None, 4277.0, 806.0)
+    assert (res["floor_by"], res["x_floor"]) == ("FLOPs", pytest.approx(2.0))
+    assert res["floor_us"] == pytest.approx(us) and res["tflops"] == pytest.approx(403.0)
+    assert res["copy_frac"] == pytest.approx(bench.bytes_moved(s128) / (2 * us * 1e3) / 4277.0)
+
+
 def test_inputs_are_shuffled_pages_and_reference_matches_tests_reference():
     s = bench.Shape(3, 150, 5)
     inp = bench.make_inputs(s, 32, torch.bfloat16, torch.device("cpu"), seed=1)
@@ -109,7 +124,7 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None, **opts):
     """run_shape on the CPU with the GPU parts faked: measure() calls once and reports fixed times."""
     times = {"hmoe": 10.0, "fa2": 15.0, "fa3": 12.0}
 
-    def measure(fn, s, opts, flush, copy_gbps):
+    def measure(fn, s, opts, flush, copy_gbps, peak_tflops):
         FakeWrapper.last = None
         fn()
         us = times[FakeWrapper.last or "hmoe"]
@@ -128,7 +143,7 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None, **opts):
     fi = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper))
     o = types.SimpleNamespace(dtype="bf16", page_size=16, device=torch.device("cpu"), seed=3, eager=False, variant=None)
     vars(o).update(opts)
-    return bench.run_shape(bench.Shape(3, 70, 4), o, fi, fi_skip or {}, 1000.0, None, lambda m: None)
+    return bench.run_shape(bench.Shape(3, 70, 4), o, fi, fi_skip or {}, 1000.0, 500.0, None, lambda m: None)
 
 
 def right(inp):
@@ -191,13 +206,17 @@ def test_table_formatting_is_fixed_width():
     head = bench.format_header().splitlines()
     assert head[0].startswith("shape BxSxH") and set(head[1]) == {"-"} and len(head[1]) == len(head[0])
     row = {"shape": "64x4096x16", "hmoe": {"us": 123.456, "gbps": 2475.3, "tflops": 68.2, "copy_frac": 0.853,
+                                           "floor_us": 71.13, "floor_by": "bytes", "x_floor": 1.7357,
                                            "timing": "graph", "timing_note": None, "variant": "sm90a"},
            "flashinfer": {"fa2": {"us": 200.0, "speedup": 1.62}, "fa3": {"error": "x"}},
            "checks": [{"what": "hmoe vs ref", "rel_err": 3e-3, "tol": 1.2e-2, "ok": True, "counts": True}]}
     line = bench.format_row(row).splitlines()[0]
-    cols = [head[0].index(t) for t in ("variant", "us(med)", "GB/s", "%copy", "fa2 us", "x fa2", "fa3 us", "check")]
-    assert [line[c:].split()[0] for c in cols] == ["sm90a", "123.5", "2475", "85.3%", "200.0", "1.62x", "error", "ok"]
-    assert bench.format_row(dict(row, hmoe={"error": "E"}, flashinfer={})).split()[1:4] == ["-", "-", "-"]
+    cols = [head[0].index(t) for t in ("variant", "us(med)", "GB/s", "%copy", "floor us", "x floor", "fa2 us", "x fa2",
+                                        "fa3 us", "check")]
+    assert [line[c:].split()[0] for c in cols] == ["sm90a", "123.5", "2475", "85.3%", "71.1", "1.74", "200.0", "1.62x",
+                                                   "error", "ok"]
+    assert "71.1 (bytes)" in line
+    assert bench.format_row(dict(row, hmoe={"error": "E"}, flashinfer={})).split()[1:7] == ["-"] * 6
 
 
 def test_roofline_plot(tmp_path):
@@ -236,6 +255,7 @@ def test_tiny_end_to_end(tmp_path, capsys, mode):
     assert [r["shape"] for r in data["results"]] == ["3x200x5", "1x64x16"]
     for r in data["results"]:
         assert r["hmoe"]["us"] > 0 and r["hmoe"]["timing"] == ("eager" if mode else "graph"), r["hmoe"]
+        assert r["hmoe"]["floor_by"] in ("bytes", "FLOPs") and r["hmoe"]["x_floor"] > 0, r["hmoe"]
         assert len(r["hmoe"]["us_all"]) == 3 and any(c["what"] == "hmoe vs ref" and c["ok"] for c in r["checks"])
         for backend, res in r["flashinfer"].items():  # where flashinfer ran, the bench fed it the same cache
             assert "us" not in res or any(c["what"] == f"{backend} vs ref" and c["ok"] for c in r["checks"]), r

@@ -76,15 +76,26 @@ def reference(inp, n: int, sm_scale: float):
                          inp.seq_lens[:n], sm_scale)[0].double()
 
 
-def measure(fn, s: Shape, opts, flush, copy_gbps: float) -> dict:
-    """Median microseconds over --repeats with L2 flushed before each, and what follows from them.
+def floor_us(s: Shape, copy_gbps: float, peak_tflops: float) -> tuple[float, str]:
+    """The shape's floor in microseconds and what sets it: its bytes at the copy bandwidth or its
+    FLOPs at the bf16 matmul rate, both measured in the same run, whichever takes longer."""
+    by_bytes = bytes_moved(s) / (copy_gbps * 1e3)
+    by_flops = flops(s) / (peak_tflops * 1e6)
+    return (by_bytes, "bytes") if by_bytes >= by_flops else (by_flops, "FLOPs")
+
+
+def measure(fn, s: Shape, opts, flush, copy_gbps: float, peak_tflops: float) -> dict:
+    """Median microseconds over --repeats with L2 flushed before each, and what follows from them
+    (GB/s, TFLOP/s, the share of the copy bandwidth, the floor and the time over it).
     CUDA-graph replays (fn has run eagerly once: its lazy work is done) unless --eager or capture
     fails (then eager calls, said in timing_note). The flush queued ahead keeps the GPU busy while
     the CPU launches, so launch latency does not enter the times."""
     res = time_calls(fn, opts, flush)
     med = res["us"]
     gbps = bytes_moved(s) / (med * 1e3)
-    return dict(res, gbps=gbps, tflops=flops(s) / (med * 1e6), copy_frac=gbps / copy_gbps if copy_gbps else None)
+    floor, by = floor_us(s, copy_gbps, peak_tflops)
+    return dict(res, gbps=gbps, tflops=flops(s) / (med * 1e6), copy_frac=gbps / copy_gbps,
+                floor_us=floor, floor_by=by, x_floor=med / floor)
 
 
 def hmoe_runner(inp, opts):
@@ -139,7 +150,7 @@ def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
     return fn, out
 
 
-def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progress) -> dict:
+def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, peak_tflops: float, flush, progress) -> dict:
     """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
     import torch
 
@@ -152,7 +163,7 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, flush, progre
     outs = _gpu_bench.time_implementations(
         row, s.name, progress, lambda: hmoe_runner(inp, opts),
         lambda backend: flashinfer_runner(fi, backend, inp, opts.page_size, use_graph=not opts.eager),
-        BACKENDS if fi is not None else (), fi_skip, lambda fn: measure(fn, s, opts, flush, copy_gbps))
+        BACKENDS if fi is not None else (), fi_skip, lambda fn: measure(fn, s, opts, flush, copy_gbps, peak_tflops))
     if "error" not in row["hmoe"]:
         row["hmoe"]["variant"], row["hmoe"]["plan"] = hmoe_route(inp, opts)
     torch.cuda.synchronize()
@@ -169,6 +180,8 @@ COLUMNS = [  # (title, width, cell)
     ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
     ("us(med)", 9, hm_cell("us", ".1f")), ("GB/s", 6, hm_cell("gbps", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".1f")),
     ("%copy", 6, hm_cell("copy_frac", ".1%")),
+    ("floor us", 13, lambda r: f"{r['hmoe']['floor_us']:.1f} ({r['hmoe']['floor_by']})" if "floor_us" in r["hmoe"] else "-"),
+    ("x floor", 7, hm_cell("x_floor", ".2f")),
     ("fa2 us", 9, fi_cell("fa2", "us")), ("x fa2", 6, fi_cell("fa2", "speedup")),
     ("fa3 us", 9, fi_cell("fa3", "us")), ("x fa3", 6, fi_cell("fa3", "speedup")),
     ("check", 0, check_cell),
@@ -299,13 +312,14 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     print(f"copy bandwidth: {copy['gbps']:.0f} GB/s (torch copy_ of a {copy['bytes_buffer'] / 2**30:.2f} GiB buffer; "
           f"bytes read + written; GB = 1e9 B);  bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s")
     print("GB/s = (KV B*S*576 + q B*H*576 + out B*H*512) * 2 B / median time; TFLOP/s = B*H*S*(576+512)*2 / time;\n"
-          "%copy = GB/s / copy bandwidth; x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
+          "%copy = GB/s / copy bandwidth; floor = the longer of bytes / copy bandwidth and FLOPs / matmul rate, x floor = "
+          "time / floor;\nx faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
           f"check = normwise rel. error vs an fp64 reference (first {CHECK_REQUESTS} requests) and vs flashinfer "
           "(all requests); FAIL over tolerance\n")
     print(format_header(), flush=True)
     flush, rows = membw.GpuL2Flusher(dev), []
     for s in opts.shape_list:
-        rows.append(run_shape(s, opts, fi, fi_skip, copy["gbps"], flush, progress))
+        rows.append(run_shape(s, opts, fi, fi_skip, copy["gbps"], peak["tflops"], flush, progress))
         print(format_row(rows[-1]), flush=True)
     plans = [f"  {r['shape']}: {r['hmoe']['variant']}: {r['hmoe']['plan']}" for r in rows if r["hmoe"].get("plan")]
     if plans:
