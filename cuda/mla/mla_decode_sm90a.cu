@@ -22,7 +22,8 @@
 // before it, the other consumer's) and the portable kernel's lazy one (attention/softmax.cuh): on
 // most tiles alpha = 1 and O is not rescaled. Each consumer keeps the row sums of its own tiles'
 // P, rescaled by every tile's factor; the output adds the two. O (64 x 256 fp32 per consumer)
-// stays in registers.
+// stays in registers; at the end the 16-bit output goes through the idle ring to global memory in
+// 16-byte rows (attention/row_stage.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
