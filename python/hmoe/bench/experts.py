@@ -61,12 +61,11 @@ def memory_needed(shape: Shape, fmt: str, with_peer: bool, rounds: int = 1) -> t
     q = shape.weight_bytes(_FORMAT_BYTES[fmt]) * 1.05
     kt = 2.5 * w if with_peer and fmt in kt_peer.KT_CLASSES else 0
     hmoe = 1.15 * q if fmt in FLOAT_FORMATS else max(2 * w, 2.2 * q)
-    if rounds > 1 and kt:
-        return int(w + kt + hmoe) + (512 << 20), (f"weights {w / 1e9:.2f} GB + {kt / 1e9:.2f} GB for kt-kernel + "
-                                                  f"{hmoe / 1e9:.2f} GB for the quantised and packed copies + slack")
-    need = int(w + max(kt, hmoe)) + (512 << 20)
-    return need, (f"weights {w / 1e9:.2f} GB + {max(kt, hmoe) / 1e9:.2f} GB for "
-                  f"{'kt-kernel' if kt > hmoe else 'the quantised and packed copies'} + slack")
+    both = rounds > 1 and kt > 0
+    extra = kt + hmoe if both else max(kt, hmoe)
+    what = ("kt-kernel and the quantised and packed copies" if both
+            else "kt-kernel" if kt > hmoe else "the quantised and packed copies")
+    return int(w + extra) + (512 << 20), f"weights {w / 1e9:.2f} GB + {extra / 1e9:.2f} GB for {what} + slack"
 
 
 def _format_list(text: str, p) -> list[str]:
