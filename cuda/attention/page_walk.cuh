@@ -18,27 +18,6 @@ __device__ __forceinline__ int cache_row(int page, int off, int page_size, int n
   return page >= 0 && page < num_pages ? page * page_size + off : -1;
 }
 
-// *ptr if `pred`, else `otherwise`: a 32-bit global load in volatile asm, which the compiler keeps
-// in the order of the kernel's other ordered_loads and does not move behind their results' uses. The
-// loads that start a kernel's chain to its first tile (the sequence length, the first page-table
-// entries) go out this way: written as ordinary code (an entry's load under `tok < cap`), the
-// sm_90a build issued the entries' load after the length's first use, where the warp waits for it.
-__device__ __forceinline__ int ordered_load(const int32_t* ptr, bool pred, int otherwise = 0) {
-  int v;
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n mov.b32 %0, %3;\n @p ld.global.b32 %0, [%1];\n}\n"
-               : "=r"(v)
-               : "l"(ptr), "r"(int(pred)), "r"(otherwise));
-  return v;
-}
-
-// The raw page-table entry of token `tok` in a table row of `cap` tokens (max_pages * page_size),
-// -1 past it: read before the sequence length is known (an ordered_load issued beside the
-// length's), so that the two reads from memory overlap; the length's bounds rule is applied when the
-// entry is used (PageWalk::take).
-__device__ __forceinline__ int early_entry(const int32_t* table_row, int tok, int page_size, int cap) {
-  return ordered_load(table_row + (tok < cap ? tok / page_size : 0), tok < cap, -1);
-}
-
 // Division by the page size without a divide instruction (Granlund-Montgomery, for dividends
 // below 2^31): q = (umulhi(n, mul) + n) >> shift. Built on the host.
 struct PageDivisor {
@@ -92,11 +71,10 @@ struct PageWalk {
 
   // Reads the entry of the current token, then moves to the same lane's token of the next tile.
   __device__ __forceinline__ void read() {
-    take(tok < len ? entry(table, pg) : -1);  // tok < len <= max_pages * page_size: pg is in the row
-  }
-  // read() with the current token's entry read beforehand (early_entry).
-  __device__ __forceinline__ void take(int raw) {
-    page = tok < len ? raw : -1;
+    int lane_zero;  // 0, opaque to the compiler (see uniform_row)
+    asm("mov.b32 %0, 0;" : "=r"(lane_zero));
+    page =
+        tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1;  // tok < len <= max_pages * page_size: pg is in the row
     page_off = off;
     page_tok = tok;
     tok += kTile;
@@ -105,13 +83,6 @@ struct PageWalk {
   }
   // The cache row of the entry read last (the launcher checks that rows fit in an int32).
   __device__ __forceinline__ int row() const { return cache_row(page, page_off, page_size, num_pages); }
-  // Entry `pg` of a table row through an index the compiler cannot prove warp-uniform (see
-  // uniform_row).
-  __device__ __forceinline__ static int entry(const int32_t* row, int pg) {
-    int lane_zero;  // 0, opaque to the compiler
-    asm("mov.b32 %0, 0;" : "=r"(lane_zero));
-    return row[pg + (threadIdx.x & lane_zero)];
-  }
   // row() when every lane walks the same token, as a warp-uniform value: lane 0's by shuffle. An
   // entry the compiler knows to be warp-uniform goes into a uniform register right after its load,
   // where the warp then waits for it; read() hides that from it, so the entry waits in an ordinary

@@ -83,8 +83,8 @@ __device__ __forceinline__ void grid_dependents_may_launch() {
 #endif
 }
 
-// A request's length (`len`: its seq_lens entry) clamped to its table row.
-__device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int len) {
+__device__ __forceinline__ int clamp_len(const MlaDecodeParams& p, int b) {
+  int len = p.seq_lens[b];
   return min(max(len, 0), p.max_pages * p.page_size);
 }
 
@@ -118,19 +118,10 @@ __global__ void __launch_bounds__(32 * kWarps)
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // The page-table entries of the split's first two tiles, read before the sequence length lands,
-  // so that the first copies wait for two reads from memory (length and entry together, then the
-  // tile), not three: the split's tiles as if the request filled its table row, which they are for
-  // split 0 and for such requests (any other split reads its entries again below).
-  const int cap = p.max_pages * p.page_size, lane_tok = LOADER == kLoadRows ? lane : 0;
-  const int32_t* table_row = p.page_table + int64_t(b) * p.max_pages;
-  const int guess = mla_split_tiles<kTile>(cap, p.num_splits, split).t0;
-  const int early0 = attn::early_entry(table_row, guess * kTile + lane_tok, p.page_size, cap);
-  const int early1 = attn::early_entry(table_row, (guess + 1) * kTile + lane_tok, p.page_size, cap);
-  const int len = clamp_len(p, attn::ordered_load(p.seq_lens + b, true));
   // This warp's Q fragments (all heads x its 128 latent and 16 rope dims, zero rows past the last
-  // head) go straight from global memory into registers, in the mma A layout, in flight with the
-  // chain that starts the first tile (length and page-table entry, copies).
+  // head) go straight from global memory into registers, in the mma A layout; loaded first, so
+  // that they are in flight with the chain that starts the first tile (sequence length,
+  // page-table entry, copies).
   uint32_t qf[MT][kLS][4], qr[MT][4];
   {
     const T* qn = static_cast<const T*>(p.q_nope);
@@ -153,16 +144,18 @@ __global__ void __launch_bounds__(32 * kWarps)
       }
   }
 
-  const MlaSplitTiles tiles = mla_split_tiles<kTile>(len, p.num_splits, split);
-  const int t0 = tiles.t0, t1 = tiles.t1;
-  const bool guessed = t0 == guess;
+  const int len = clamp_len(p, b);
+  const int n_tiles = (len + kTile - 1) / kTile;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
 
   // Tile t goes to ring buffer (t - t0) % 2. Lane l of every warp walks token l of the tiles (or
   // all lanes the tiles' first tokens).
   const KvLoader loader(p);
   const TmaLoader tma{&maps.ckv, &maps.kpe};
   const uint32_t bar0 = smem_addr(smem + L::bars) + warp * kStages * 8;  // this warp's mbarriers
-  TokenWalk walk(table_row, len, p.page_size, p.num_pages, t0 * kTile + lane_tok);
+  TokenWalk walk(p.page_table + int64_t(b) * p.max_pages, len, p.page_size, p.num_pages,
+                 t0 * kTile + (LOADER == kLoadRows ? lane : 0));
   auto issue = [&](int stage) {
     const uint32_t buf = kv_s + stage * kTileBytes;
     if constexpr (kTma) {
@@ -186,11 +179,10 @@ __global__ void __launch_bounds__(32 * kWarps)
       for (int st = 0; st < kStages; ++st) TmaLoader::init(bar0 + 8 * st);
     __syncwarp();
   }
-  auto first_reads = [&](int early) { guessed ? walk.take(early) : walk.read(); };
-  first_reads(early0);
+  walk.read();
   if (t0 < t1) issue(0);
   if constexpr (!kTma) cp_async_commit();
-  if (t0 + 1 < t1) first_reads(early1);  // tile t0 + 1
+  if (t0 + 1 < t1) walk.read();  // tile t0 + 1
   // The softmax state of this thread's head (see the softmax): the running max (the same in all of
   // the head's threads) and the sum of this thread's columns, reduced over the head once at the end.
   constexpr int kTpr = NT / kHeads, kCpt = kTile / kTpr;

@@ -35,7 +35,6 @@
 #include <type_traits>
 
 #include "attention/mma.cuh"
-#include "attention/page_walk.cuh"
 #include "attention/row_stage.cuh"
 #include "attention/softmax.cuh"
 #include "attention/wgmma.cuh"
@@ -101,60 +100,31 @@ __device__ __forceinline__ void grid_dependents_may_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// The producer (warp 0; lane 0 issues every copy): Q, then every tile of split `split` into the
-// ring. Q's boxes and the page-table entries of the split's first two tiles go out before the
-// sequence length lands, and the entries and the length are read by five lanes at once: the first
-// tiles then wait for two reads from memory (the length and the entries together, then the tiles),
-// not three, and not one after the other (one thread's loads, each moved to a uniform register for
-// the TMA's coordinates, wait in turn). The entries are those of the split's tiles as if the request
-// filled its table row, which they are for split 0 and for such requests; any other split reads
-// them again.
+// The producer: Q, then every tile of the split into the ring.
 __device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& maps, uint32_t smem, int box, int b,
-                                        int head0, int split) {
+                                        int head0, int len, int t0, int t1) {
   const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) {
-    mbar_expect_tx(qbar, kBlocks * kQBlockBytes);
-    const int qrow = b * p.heads + head0;
-    for (int blk = 0; blk < kBlocks; ++blk)
-      tma_load_2d(smem + Smem::q + blk * kQBlockBytes, blk < kLatentBlocks ? &maps.q_nope : &maps.q_pe,
-                  blk < kLatentBlocks ? 64 * blk : 0, qrow, qbar);
-  }
+  if (t0 >= t1) return;  // an empty split: the consumers wait for nothing
+  mbar_expect_tx(qbar, kBlocks * kQBlockBytes);
+  const int qrow = b * p.heads + head0;
+  for (int blk = 0; blk < kBlocks; ++blk)
+    tma_load_2d(smem + Smem::q + blk * kQBlockBytes, blk < kLatentBlocks ? &maps.q_nope : &maps.q_pe,
+                blk < kLatentBlocks ? 64 * blk : 0, qrow, qbar);
   const int32_t* table = p.page_table + int64_t(b) * p.max_pages;
-  const int cap = p.max_pages * p.page_size;
-  const int guess = mla_split_tiles<kTile>(cap, p.num_splits, split).t0;
-  // Lane e < 4: the entry of box e % 2 (a tile has kTile / box <= 2 boxes) of the split's tile e / 2;
-  // lane 4: the length.
-  const int tok = (guess + lane / 2) * kTile + (lane % 2) * box;
-  const int v = lane < 4 ? ((lane % 2) * box < kTile ? attn::early_entry(table, tok, p.page_size, cap) : -1)
-                         : attn::ordered_load(p.seq_lens + b, lane == 4);
-  const int len = min(max(__shfl_sync(0xffffffffu, v, 4), 0), cap);
-  int early[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) early[e] = __shfl_sync(0xffffffffu, v, e);
-  if (lane != 0) return;
-  const MlaSplitTiles tiles = mla_split_tiles<kTile>(len, p.num_splits, split);
-  if (tiles.t0 >= tiles.t1) {  // an empty split: the consumers wait for nothing, the CTA for Q's copies
-    mbar_wait(qbar, 0);
-    return;
-  }
-  const bool guessed = tiles.t0 == guess;
-  // The cache row of the box at token `tok` (g-th of tile i of the split), or -box (outside the
-  // tensor: zeros).
-  auto box_row = [&](int tok, int i, int g) {
+  // The cache row of the box at token `tok`, or -box (outside the tensor: zeros).
+  auto box_row = [&](int tok) {
     if (tok >= len) return -box;
     const int pg = tok / p.page_size;
-    const int id =
-        guessed && i < 2 ? (i == 0 ? (g == 0 ? early[0] : early[1]) : (g == 0 ? early[2] : early[3])) : table[pg];
+    const int id = table[pg];
     return id >= 0 && id < p.num_pages ? id * p.page_size + (tok - pg * p.page_size) : -box;
   };
-  for (int t = tiles.t0; t < tiles.t1; ++t) {
-    const int i = t - tiles.t0, stage = i % kStages;
+  for (int t = t0; t < t1; ++t) {
+    const int i = t - t0, stage = i % kStages;
     if (i >= kStages) mbar_wait(empty + 8 * stage, ((i / kStages) - 1) & 1);
     const uint32_t buf = smem + Smem::kv + stage * kTileBytes;
     mbar_expect_tx(full + 8 * stage, kTileBytes);
     for (int g = 0; g < kTile; g += box) {
-      const int row = box_row(t * kTile + g, i, g / box);
+      const int row = box_row(t * kTile + g);
       for (int blk = 0; blk < kBlocks; ++blk)
         tma_load_2d(buf + blk * kBlockBytes + g * 128, blk < kLatentBlocks ? &maps.ckv : &maps.kpe,
                     blk < kLatentBlocks ? 64 * blk : 0, row, full + 8 * stage);
@@ -384,6 +354,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Warp-uniform, and so said to the compiler (warp_uniform): the tile loop's buffer addresses and
   // wgmma descriptors then stay in uniform registers.
   const int wg = warp_uniform(threadIdx.x / 128);
+  const int len = warp_uniform(min(max(p.seq_lens[b], 0), p.max_pages * p.page_size));
+  const int n_tiles = (len + kTile - 1) / kTile;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int t0 = min(n_tiles, split * per_split), t1 = min(n_tiles, t0 + per_split);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -397,13 +371,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {  // producer: the fewest registers, so that the consumers get 240
     regs_shrink<24>();
-    if (threadIdx.x < 32) produce(p, maps, smem, box, b, head0, split);
+    if (threadIdx.x == 0) produce(p, maps, smem, box, b, head0, len, t0, t1);
     return;
   }
   regs_grow<240>();
-  const int len = warp_uniform(min(max(p.seq_lens[b], 0), p.max_pages * p.page_size));
-  const MlaSplitTiles tiles = mla_split_tiles<kTile>(len, p.num_splits, split);
-  const int t0 = tiles.t0, t1 = tiles.t1;
   const int c = wg - 1, tid = threadIdx.x - 128 * wg, lane = tid % 32;
   const int r0 = (tid / 32) * 16 + lane / 4, q4 = lane % 4;  // this thread's rows: r0 and r0 + 8
   float l_run[2] = {0.f, 0.f};

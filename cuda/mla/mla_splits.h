@@ -1,5 +1,4 @@
-// The KV-split rule every MLA decode family's plan follows (host code), and the tiles of a split
-// that its kernels walk (device code).
+// The KV-split rule every MLA decode family's plan follows (host code).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -21,20 +20,5 @@ inline int mla_num_splits(int slots, int ctas, int max_tiles) {
   const int per = (max_tiles + fit - 1) / fit;
   return (max_tiles + per - 1) / per;
 }
-
-#ifdef __CUDACC__
-// The tiles [t0, t1) that split `split` of a request of `len` tokens walks: the request's
-// kTile-token tiles cut into `num_splits` runs of the same length (the last ones may be shorter
-// or empty: t0 == t1).
-struct MlaSplitTiles {
-  int t0, t1;
-};
-template <int kTile>
-__device__ __forceinline__ MlaSplitTiles mla_split_tiles(int len, int num_splits, int split) {
-  const int n_tiles = (len + kTile - 1) / kTile, per_split = (n_tiles + num_splits - 1) / num_splits;
-  const int t0 = min(n_tiles, split * per_split);
-  return {t0, min(n_tiles, t0 + per_split)};
-}
-#endif
 
 }  // namespace hmoe
