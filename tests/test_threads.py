@@ -171,3 +171,24 @@ def test_thread_creation_failure_is_a_clear_error_and_the_pool_survives():
     err = next(line for line in p.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR")))
     assert "could not start CPU worker thread" in err and "set_num_threads" in err, err
     assert "AFTER: True" in p.stdout, p.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least two CPUs this process may use")
+def test_sleeping_workers_keep_off_the_callers_cpu(two_threads):
+    # A worker about to sleep takes the CPU of the job's caller out of its mask, so that waking it
+    # cannot put it on the caller's CPU (cpp/common/thread_pool.cpp, AwayFromCaller): each named
+    # worker may use every CPU of this process but one.
+    x, ids, w, w13, w2 = random_problem(64, 512, 256, 8, 2, torch.float32, torch.bfloat16)
+    hmoe.CPUExperts(w13, w2)(x, ids, w)  # about 6 MB of weights: both threads take part
+    time.sleep(0.05)  # the workers spin 50 us after a job, then sleep
+    allowed = os.sched_getaffinity(0)
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = f.read().strip()
+        if name.startswith("hmoe-cpu-"):
+            masks[name] = os.sched_getaffinity(int(tid))
+    assert masks, "no hmoe-cpu-N worker thread found"
+    for name, mask in masks.items():
+        assert mask < allowed and len(mask) == len(allowed) - 1, (name, sorted(mask), sorted(allowed))

@@ -43,8 +43,9 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   void ensure_workers(int n);
+  class AwayFromCaller;
   void worker_loop(int id, uint64_t seen);
-  void await_job(uint64_t seen);
+  void await_job(uint64_t seen, AwayFromCaller& away);
   void signal();
   void run_tasks(int worker);
 
@@ -62,6 +63,9 @@ class ThreadPool {
   // Sleeping workers wait on signal_ (a futex word on Linux), bumped by every job and wake().
   std::atomic<uint32_t> signal_{0};
   std::atomic<int> sleepers_{0};
+  // The CPU the caller of the last job or wake() ran on (-1: unknown): a sleeping worker keeps off
+  // it (see AwayFromCaller in thread_pool.cpp).
+  std::atomic<int> caller_cpu_{-1};
   std::atomic<int> active_workers_{0};  // workers (excluding the caller) that may take part
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
