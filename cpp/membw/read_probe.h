@@ -6,7 +6,8 @@
 namespace hmoe {
 
 // Bytes per second of `threads` threads reading disjoint parts of one `bytes`-byte buffer (touched
-// first), best of `repeats` passes.
+// first): the best of `repeats` passes of each of two access patterns (one sequential stream a
+// thread; four interleaved streams with a software prefetch, as the experts' kernels read).
 double read_bandwidth(int64_t bytes, int threads, int repeats);
 
 }  // namespace hmoe

@@ -140,7 +140,8 @@ def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5) -> dict:
 
 def measure_read_bandwidth(nbytes: int | None = None, repeats: int = 5, threads: int | None = None) -> dict:
     """Read-only bandwidth of host memory: hmoe's native streaming probe (cpu_core.read_bandwidth:
-    every thread reads its own slice of one buffer larger than the caches; best of `repeats`). This is
+    every thread reads its own slice of one buffer larger than the caches, as one sequential stream and
+    as four interleaved ones with a software prefetch; the best of `repeats` passes of each). This is
     the ceiling of streaming expert weights; a copy also writes and understates it, and a torch
     reduction on few cores is bound by its arithmetic. GB/s counts bytes read."""
     from hmoe import _native, get_num_threads
