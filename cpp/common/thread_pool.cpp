@@ -47,10 +47,10 @@ uint64_t gate_of(uint64_t job) { return (job & 0xffffffffu) << 32; }
 // because the idle vCPU, halted, reads as preempted to the guest's scheduler), where one of the two
 // then waited for the other: on the 2-core Zen 4 VM, after 100 ms idle, the one worker of a
 // 2-thread job ran none or all of its tasks in most calls (tools/experts_tune, V2-Lite int4 decode,
-// cold calls: 1.55-1.65 ms, one thread doing the work; 0.98-1.10 ms with this). So before it sleeps a worker takes the
-// caller's CPU out of its mask (one sched_setaffinity when the caller's CPU has changed since its last sleep) and the
-// wake-up places it elsewhere. The CPUs it may use are those it started with; with a single one, or off Linux, nothing
-// changes.
+// cold calls: 1.55-1.65 ms, one thread doing the work; 0.98-1.10 ms with this). So before it sleeps
+// a worker takes the caller's CPU out of its mask (one sched_setaffinity when the caller's CPU has
+// changed since its last sleep) and the wake-up places it elsewhere. The CPUs it may use are those
+// it started with; with a single one, or off Linux, nothing changes.
 class ThreadPool::AwayFromCaller {
  public:
 #ifdef __linux__
