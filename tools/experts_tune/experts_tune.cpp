@@ -1,17 +1,21 @@
 // Tuning harness for the CPU experts op: run_moe of one ISA level on synthetic packed weights
 // (random quantised values with valid scales, or random bf16), timing each phase of the op
 // (moe_experts.cpp built with HMOE_PHASE_TIMING). See build.sh beside this file.
-//   experts_tune FORMAT(bf16|int8|int4|fp8) H I E K T [repeats] [MODE] [threads]
+//   experts_tune FORMAT(bf16|int8|int4|fp8) H I E K T [repeats] [MODE] [threads] [routings]
 // MODE says what precedes each timed call (medians printed): hot (nothing: back to back, the
-// default), evict (a read of 512 MiB, evicting the caches), idle (100 ms asleep), cold (both, as
-// the bench's cold calls), and idle-wake / cold-wake (the same, then the pool woken and 30 us of
-// spinning: the workers are awake when the call comes). threads: the op's thread count (default:
-// std::thread::hardware_concurrency()).
+// default), evict (the caches evicted: `threads` threads read a buffer of max(512 MiB, 2x the
+// last-level cache) at once, so that every core's private caches are read through too, as the
+// bench's torch read does), idle (100 ms asleep), cold (both, as the bench's cold calls), and
+// idle-wake / cold-wake (the same, then the pool woken and 30 us of spinning: the workers are awake
+// when the call comes). threads: the op's thread count (default: std::thread::hardware_concurrency()).
+// routings: the calls cycle through this many random routings, as the bench's do (default 16; 1:
+// every call routes the same, so that with a large last-level cache the weights may stay cached).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -31,6 +35,38 @@ extern double g_busy_ms[2][64];
 
 using namespace hmoe;
 
+// The largest cache cpu0 sees (sysfs), 32 MiB when it does not say.
+int64_t llc_bytes() {
+  int64_t best = 0;
+  for (int i = 0; i < 8; ++i) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
+    std::string v;
+    if (!(f >> v) || v.empty()) continue;
+    int64_t n = std::atoll(v.c_str());
+    if (v.back() == 'K') n <<= 10;
+    if (v.back() == 'M') n <<= 20;
+    best = std::max(best, n);
+  }
+  return best ? best : int64_t(32) << 20;
+}
+
+// Reads `junk` on `threads` threads at once, each its own slice.
+uint64_t read_through(const std::vector<uint64_t>& junk, int threads) {
+  std::vector<uint64_t> sums(size_t(threads) * 8, 0);
+  std::vector<std::thread> pool;
+  const size_t n = junk.size();
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      uint64_t s = 0;
+      for (size_t i = n * size_t(t) / size_t(threads); i < n * size_t(t + 1) / size_t(threads); i += 8) s += junk[i];
+      sums[size_t(t) * 8] = s;
+    });
+  for (auto& th : pool) th.join();
+  uint64_t s = 0;
+  for (uint64_t v : sums) s += v;
+  return s;
+}
+
 // Linux grants AMX tile data per process, on request ("" when granted or not needed).
 template <class T = isa::Tiles>
 const char* amx_permission() {
@@ -42,7 +78,7 @@ const char* amx_permission() {
 
 int main(int argc, char** argv) {
   if (argc < 7) {
-    std::fprintf(stderr, "usage: %s bf16|int8|int4|fp8 H I E K T [repeats] [MODE] [threads]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s bf16|int8|int4|fp8 H I E K T [repeats] [MODE] [threads] [routings]\n", argv[0]);
     return 2;
   }
   const std::string fmt_name = argv[1];
@@ -50,8 +86,9 @@ int main(int argc, char** argv) {
                 T = std::atoll(argv[6]);
   const int repeats = argc > 7 ? std::atoi(argv[7]) : 5;
   const int threads = argc > 9 ? std::atoi(argv[9]) : std::max(1, int(std::thread::hardware_concurrency()));
-  if (threads < 1) {
-    std::fprintf(stderr, "threads must be at least 1, got %s\n", argv[9]);
+  const int routings = argc > 10 ? std::atoi(argv[10]) : 16;
+  if (threads < 1 || routings < 1) {
+    std::fprintf(stderr, "threads and routings must be at least 1\n");
     return 2;
   }
   if (const char* why = amx_permission(); *why) {
@@ -106,17 +143,18 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::vector<uint16_t> x(size_t(T * H));
   for (auto& v : x) v = f32_to_bf16(float(int(rng() % 200) - 100) * 1e-2f);
-  std::vector<int32_t> ids(size_t(T * K));
-  for (int64_t t = 0; t < T; ++t) {  // K distinct experts a token
-    std::vector<int32_t> perm(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) perm[size_t(e)] = int32_t(e);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int64_t k = 0; k < K; ++k) ids[size_t(t * K + k)] = perm[size_t(k)];
-  }
+  std::vector<std::vector<int32_t>> routing(size_t(routings), std::vector<int32_t>(size_t(T * K)));
+  for (auto& ids : routing)
+    for (int64_t t = 0; t < T; ++t) {  // K distinct experts a token
+      std::vector<int32_t> perm(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) perm[size_t(e)] = int32_t(e);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int64_t k = 0; k < K; ++k) ids[size_t(t * K + k)] = perm[size_t(k)];
+    }
   std::vector<float> tw(size_t(T * K), 1.f / float(K));
   std::vector<uint16_t> out(size_t(T * H));
   MoeParams p{};
-  p.x = x.data(), p.x_dtype = kBF16, p.topk_ids = ids.data(), p.ids_dtype = kI32, p.topk_weights = tw.data();
+  p.x = x.data(), p.x_dtype = kBF16, p.ids_dtype = kI32, p.topk_weights = tw.data();
   p.w13 = w13.data(), p.w2 = w2.data(), p.w_format = fmt, p.packed = 1, p.group13 = g13, p.group2 = g2;
   p.out = out.data(), p.T = T, p.K = K, p.E = E, p.H = H, p.I = I, p.num_threads = threads;
   const double flop = 6.0 * double(H) * double(I) * double(T * K);
@@ -128,17 +166,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }
-  std::vector<uint64_t> junk(evict ? (512u << 20) / 8 : 0, 1);
+  std::vector<uint64_t> junk(evict ? size_t(std::max<int64_t>(int64_t(512) << 20, 2 * llc_bytes()) / 8) : 0, 1);
   volatile uint64_t sink = 0;
   std::vector<double> total;
   std::vector<std::vector<double>> ph(5);
   std::vector<std::vector<double>> busy_mean(2), busy_max(2);
   for (int r = 0; r < repeats + 1; ++r) {
-    if (evict) {
-      uint64_t s = 0;
-      for (size_t i = 0; i < junk.size(); i += 8) s += junk[i];
-      sink = sink + s;
-    }
+    if (evict) sink = sink + read_through(junk, threads);
+    p.topk_ids = routing[size_t(r % routings)].data();
     if (idle) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (wake) {
       ThreadPool::instance().wake(threads);
