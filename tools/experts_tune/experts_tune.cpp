@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "AMX unusable: %s\n", why);
     return 1;
   }
+  if (fmt_name != "bf16" && fmt_name != "int8" && fmt_name != "int4" && fmt_name != "fp8") {
+    std::fprintf(stderr, "unknown format %s (bf16, int8, int4 or fp8)\n", fmt_name.c_str());
+    return 2;
+  }
   const int32_t fmt = fmt_name == "int8"   ? int32_t(kWInt8)
                       : fmt_name == "int4" ? int32_t(kWInt4)
                       : fmt_name == "fp8"  ? int32_t(kWFp8)
