@@ -92,6 +92,8 @@ def test_tiny_run_table_and_json(tmp_path, capsys):
     assert read["gbps"] > 0 and read["counts"] == "bytes read"
     assert copy["gbps"] > 0 and copy["bytes_counted_per_copy"] == 2 * copy["bytes_buffer"]
     assert data["meta"]["cpu"] and data["meta"]["threads_hmoe"] >= 1 and data["meta"]["peer"] is None
+    floor = data["meta"]["cold_floor"]
+    assert floor["cold_us"] > 0 and floor["b2b_us"] > 0 and floor["calls"] >= 5 and "cold floor:" in out
     rows = data["results"]
     impls = {(r["T"], r["format"], r["impl"]) for r in rows}
     for T in (1, 3, 33):

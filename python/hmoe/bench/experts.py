@@ -18,6 +18,7 @@ from hmoe.bench.experts_run import (  # noqa: F401  (torch_dtype, torch_expert_l
     FORMATS,
     QUANT_FORMATS,
     Context,
+    cold_floor,
     make_inputs,
     make_weights,
     run_shape_format,
@@ -203,6 +204,9 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
             "timing": "time.perf_counter per call; medians over calls; cold: eviction + idle before each call, "
                       "b2b: the same batches back to back"}
     read, copy = _bandwidths(opts, meta)
+    gap = membw.CacheFlusher(enabled=not opts.no_flush, idle_s=opts.idle_ms / 1e3)
+    progress("timing a cold call on tiny experts")
+    meta["cold_floor"] = cold_floor(opts, gap)
     print(f"hmoe.bench experts  cpu: {meta['cpu']}  torch {meta['torch']}  hmoe {meta['hmoe']}  "
           f"threads: hmoe {meta['threads_hmoe']}, torch {meta['threads_torch']}"
           + (f", kt-kernel {opts.peer_threads}" if kt else ""))
@@ -215,6 +219,9 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
           f"{read['bytes_buffer'] / 2**30:.2f} GiB, {read['threads']} threads; bytes read; GB = 1e9 B)")
     print(f"copy bandwidth: {copy['gbps']:.1f} GB/s  (for reference: torch copy_ of a "
           f"{copy['bytes_buffer'] / 2**30:.2f} GiB buffer, {copy['threads']} threads; bytes read + bytes written)")
+    floor = meta["cold_floor"]
+    print(f"cold floor: {floor['cold_us']:.0f} us a cold call, {floor['b2b_us']:.0f} us back to back ({floor['what']}: "
+          "what a cold call costs apart from its weights, in every cold row)")
     for s in opts.shape_list:
         note = f"; {s.experts} of {s.experts_total} experts resident, routing only to those" \
             if s.experts < s.experts_total else ""
@@ -229,7 +236,6 @@ def main(argv=None, prog="python -m hmoe.bench experts") -> int:
         rows.append(row)
         print(experts_table.format_row(row), flush=True)
 
-    gap = membw.CacheFlusher(enabled=not opts.no_flush, idle_s=opts.idle_ms / 1e3)
     ctx = Context(opts=opts, read_gbps=read["gbps"], emit=emit, progress=progress, gap=gap, kt=kt)
     for shape in opts.shape_list:
         weights = None  # (dtype name, w13, w2): the quantised formats share the bf16 weights

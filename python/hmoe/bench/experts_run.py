@@ -178,6 +178,38 @@ def time_block(fn, inputs, opts, gap):
     return cold, b2b, first
 
 
+def cold_floor(opts, gap) -> dict:
+    """What a cold call costs apart from streaming its weights: a CPUExperts call on tiny bf16
+    experts (H=256, I=128, 8 experts, top-2, T=1: 1.5 MB of weights, 0.4 MB a call) timed as the
+    rows' cold calls are (gap() before each) and back to back, in microseconds. Where the caches
+    and the idle vCPUs go cold while the process sleeps, this is the part of a small decode row's
+    cold time that no kernel streams away."""
+    import torch
+
+    import hmoe
+
+    gen = torch.Generator().manual_seed(opts.seed)
+    w13 = (torch.randn(8, 256, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(8, 256, 128, generator=gen) * 0.05).to(torch.bfloat16)
+    experts = hmoe.CPUExperts(w13, w2, isa=opts.isa)
+    x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
+    batches = [(torch.randperm(8, generator=gen)[:2].view(1, 2).to(torch.int32), torch.full((1, 2), 0.5))
+               for _ in range(5 if opts.quick else 15)]
+    experts(x, *batches[0])
+    cold, hot = [], []
+    for ids, w in batches:
+        gap()
+        t0 = time.perf_counter()
+        experts(x, ids, w)
+        cold.append(time.perf_counter() - t0)
+    for ids, w in batches:
+        t0 = time.perf_counter()
+        experts(x, ids, w)
+        hot.append(time.perf_counter() - t0)
+    return {"cold_us": 1e6 * statistics.median(cold), "b2b_us": 1e6 * statistics.median(hot), "calls": len(batches),
+            "what": "CPUExperts, bf16, H=256 I=128 E=8 top-2, T=1"}
+
+
 def timing_fields(cold, b2b, hits, bytes_per_expert, read_gbps, shape, T) -> dict:
     """A row's numbers from a block's times; hits[r] = distinct experts of batch r."""
     bytes_hit = [h * bytes_per_expert for h in hits[: len(cold)]]
