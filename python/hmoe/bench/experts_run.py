@@ -1,6 +1,7 @@
 # What `python -m hmoe.bench experts` measures: weights, routed batches, implementations, their timed blocks, accuracy.
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -195,18 +196,10 @@ def cold_floor(opts, gap) -> dict:
     x = torch.randn(1, 256, generator=gen).to(torch.bfloat16)
     batches = [(torch.randperm(8, generator=gen)[:2].view(1, 2).to(torch.int32), torch.full((1, 2), 0.5))
                for _ in range(5 if opts.quick else 15)]
-    experts(x, *batches[0])
-    cold, hot = [], []
-    for ids, w in batches:
-        gap()
-        t0 = time.perf_counter()
-        experts(x, ids, w)
-        cold.append(time.perf_counter() - t0)
-    for ids, w in batches:
-        t0 = time.perf_counter()
-        experts(x, ids, w)
-        hot.append(time.perf_counter() - t0)
-    return {"cold_us": 1e6 * statistics.median(cold), "b2b_us": 1e6 * statistics.median(hot), "calls": len(batches),
+    calls = len(batches)  # every one of them, whatever the time budget
+    block_opts = argparse.Namespace(**{**vars(opts), "repeats": calls, "min_repeats": calls, "warmup": 1})
+    cold, b2b, _ = time_block(lambda ids, w: experts(x, ids, w), lambda r: batches[r % calls], block_opts, gap)
+    return {"cold_us": 1e6 * statistics.median(cold), "b2b_us": 1e6 * statistics.median(b2b), "calls": len(cold),
             "what": "CPUExperts, bf16, H=256 I=128 E=8 top-2, T=1"}
 
 
