@@ -19,6 +19,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -95,14 +96,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "AMX unusable: %s\n", why);
     return 1;
   }
-  if (fmt_name != "bf16" && fmt_name != "int8" && fmt_name != "int4" && fmt_name != "fp8") {
+  const std::pair<const char*, int32_t> formats[] = {
+      {"bf16", kBF16}, {"int8", kWInt8}, {"int4", kWInt4}, {"fp8", kWFp8}};
+  int32_t fmt = -1;
+  for (const auto& [name, code] : formats)
+    if (fmt_name == name) fmt = code;
+  if (fmt < 0) {
     std::fprintf(stderr, "unknown format %s (bf16, int8, int4 or fp8)\n", fmt_name.c_str());
     return 2;
   }
-  const int32_t fmt = fmt_name == "int8"   ? int32_t(kWInt8)
-                      : fmt_name == "int4" ? int32_t(kWInt4)
-                      : fmt_name == "fp8"  ? int32_t(kWFp8)
-                                           : int32_t(kBF16);
   const bool per_row = fmt == kWInt8;
   const int64_t g13 = fmt == kBF16 ? 0 : per_row ? round_up(H, 128) : 128;
   const int64_t g2 = fmt == kBF16 ? 0 : per_row ? round_up(I, 128) : 128;
