@@ -20,15 +20,21 @@ using isa::V;
 template <int MR, int NR>
 constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
 
-// Distance of the software prefetch on each weight stream, in bytes. Blocks are 64 KB-ish
-// streams that cross a page every 4 KB, where hardware prefetchers restart. (HMOE_TUNE_* macros:
-// set by tools/experts_tune only.)
+// The software prefetch on each weight stream: kPrefetchBytes ahead, into L2 or L1 as the ISA
+// header says (isa::kPrefetchL2). Blocks are 64 KB-ish streams that cross a page every 4 KB, where
+// hardware prefetchers restart. (HMOE_TUNE_* macros: set by tools/experts_tune only.)
 #ifndef HMOE_TUNE_PREFETCH_BYTES
 #define HMOE_TUNE_PREFETCH_BYTES 1024
 #endif
+#ifndef HMOE_TUNE_PREFETCH_LOCALITY
+#define HMOE_TUNE_PREFETCH_LOCALITY (isa::kPrefetchL2 ? 2 : 3)
+#endif
 constexpr int64_t kPrefetchBytes = HMOE_TUNE_PREFETCH_BYTES;
 
-inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes); }
+inline void prefetch(const void* p) {
+  if constexpr (kPrefetchBytes > 0)
+    __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, HMOE_TUNE_PREFETCH_LOCALITY);
+}
 
 // C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (format.h layout).
 // Activations A are bf16 (u16, row stride lda) for bf16 weights, else fp32.

@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <new>
 #include <random>
 #include <string>
 #include <thread>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/huge_pages.h"
 #include "common/thread_pool.h"
 #include "experts/format.h"
 #include "experts/isa/contract.h"
@@ -109,7 +112,15 @@ int main(int argc, char** argv) {
   const int64_t g13 = fmt == kBF16 ? 0 : per_row ? round_up(H, 128) : 128;
   const int64_t g2 = fmt == kBF16 ? 0 : per_row ? round_up(I, 128) : 128;
   const int64_t b13 = packed_w13_bytes(fmt, H, I, g13), b2 = packed_w2_bytes(fmt, H, I, g2);
-  std::vector<uint8_t> w13(size_t(E * b13)), w2(size_t(E * b2));
+  // Packed weights as the library holds them: huge-page advised before the packers first touch them.
+  auto packed_buffer = [](int64_t bytes) {
+    const size_t n = size_t(round_up(std::max<int64_t>(bytes, 1), int64_t(2) << 20));
+    std::unique_ptr<uint8_t[], void (*)(void*)> b(static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, n)), std::free);
+    if (!b) throw std::bad_alloc();
+    advise_huge_pages(b.get(), int64_t(n));
+    return b;
+  };
+  auto w13 = packed_buffer(E * b13), w2 = packed_buffer(E * b2);
   // Each expert packed by its own thread from random values.
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
@@ -118,7 +129,7 @@ int main(int argc, char** argv) {
       for (int64_t e = t; e < E; e += threads) {
         for (int m = 0; m < 2; ++m) {
           const int64_t N = m == 0 ? 2 * I : H, kd = m == 0 ? H : I;
-          uint8_t* dst = (m == 0 ? w13.data() + e * b13 : w2.data() + e * b2);
+          uint8_t* dst = (m == 0 ? w13.get() + e * b13 : w2.get() + e * b2);
           if (fmt == kBF16) {
             std::vector<uint16_t> src(size_t(N * kd));
             for (auto& v : src) v = f32_to_bf16(float(int(rng() % 200) - 100) * 1e-3f);
@@ -161,7 +172,7 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> out(size_t(T * H));
   MoeParams p{};
   p.x = x.data(), p.x_dtype = kBF16, p.ids_dtype = kI32, p.topk_weights = tw.data();
-  p.w13 = w13.data(), p.w2 = w2.data(), p.w_format = fmt, p.packed = 1, p.group13 = g13, p.group2 = g2;
+  p.w13 = w13.get(), p.w2 = w2.get(), p.w_format = fmt, p.packed = 1, p.group13 = g13, p.group2 = g2;
   p.out = out.data(), p.T = T, p.K = K, p.E = E, p.H = H, p.I = I, p.num_threads = threads;
   const double flop = 6.0 * double(H) * double(I) * double(T * K);
   const std::string mode = argc > 8 ? argv[8] : "hot";

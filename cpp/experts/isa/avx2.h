@@ -10,6 +10,7 @@ namespace hmoe::isa {
 constexpr int kMR = 2;
 constexpr int kMRInt = 2;
 constexpr int kNR = 2;  // 16-column blocks per register tile
+constexpr bool kPrefetchL2 = false;
 using Tiles = NoTiles;
 
 struct V {

@@ -8,6 +8,7 @@ namespace hmoe::isa {
 constexpr int kMR = 4;
 constexpr int kMRInt = 4;  // an A4 takes two registers; int4 keeps a second set of (partial) sums
 constexpr int kNR = 4;     // 16-column blocks per register tile
+constexpr bool kPrefetchL2 = false;
 using Tiles = NoTiles;
 
 struct BPair {

@@ -7,6 +7,8 @@
 //                 columns (2 or 4: w13 tasks take kNR / 2 gate/up pairs)
 //   kMRInt        rows of the integer formats' register tile (1..kMR): its kMRInt x kNR int32
 //                 accumulators, the kNR weight rows and their nibbles stay in registers
+//   kPrefetchL2   where the register kernels' software prefetch of weight streams lands: L2
+//                 (prefetcht1) when true, else L1 (prefetcht0)
 //   V             16 fp32 lanes; vzero, vload, vstore, vbcast, vfma(a, b, c) = a * b + c,
 //                 vadd, vmul, vsum (horizontal), vload_f16, vload_bf16 (16 halves widened to fp32)
 //   BPair, APair  a k-pair of a bf16 block ([16][2]) and a broadcast activation pair;
@@ -103,6 +105,7 @@ constexpr bool IsaContract() {
   static_assert(std::is_same_v<decltype(kMR), const int> && kMR >= 1 && kMR <= 8, "kMR in 1..8");
   static_assert(std::is_same_v<decltype(kNR), const int> && (kNR == 2 || kNR == 4) && kNR <= kMaxNR, "kNR: 2 or 4");
   static_assert(std::is_same_v<decltype(kMRInt), const int> && kMRInt >= 1 && kMRInt <= kMR, "kMRInt in 1..kMR");
+  static_assert(std::is_same_v<decltype(kPrefetchL2), const bool>, "kPrefetchL2");
   static_assert(sizeof(Vec) == 64, "V holds 16 fp32 lanes");
   using CV = const Vec&;
   using F = const float*;

@@ -11,6 +11,7 @@ namespace hmoe::isa {
 constexpr int kMR = 2;  // rows per register tile
 constexpr int kMRInt = 2;
 constexpr int kNR = 2;  // 16-column blocks per register tile
+constexpr bool kPrefetchL2 = false;
 using Tiles = NoTiles;
 
 struct V {
