@@ -115,7 +115,8 @@ int main(int argc, char** argv) {
   // Packed weights as the library holds them: huge-page advised before the packers first touch them.
   auto packed_buffer = [](int64_t bytes) {
     const size_t n = size_t(round_up(std::max<int64_t>(bytes, 1), int64_t(2) << 20));
-    std::unique_ptr<uint8_t[], void (*)(void*)> b(static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, n)), std::free);
+    std::unique_ptr<uint8_t[], void (*)(void*)> b(static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, n)),
+                                                  std::free);
     if (!b) throw std::bad_alloc();
     advise_huge_pages(b.get(), int64_t(n));
     return b;
