@@ -9,7 +9,7 @@ constexpr int kMR = 6;
 constexpr int kMRInt = 6;
 constexpr int kNR = 4;  // 16-column blocks per register tile
 // Into L2: on the Zen 4 (this level's AMD processor) two threads decoding cold ran V3 int4 in
-// 4.8 ms against 6.0 with an L1 prefetch and V2-Lite int8 in 1.62 against 1.86 (tools/experts_tune,
+// 4.8 ms against 6.0 with an L1 prefetch and V2-Lite int8 in 1.62 against 1.80 (tools/experts_tune,
 // medians of 5-8 alternating rounds); on the Xeon of the amx level it was no faster (amx.h).
 constexpr bool kPrefetchL2 = true;
 using Tiles = NoTiles;
