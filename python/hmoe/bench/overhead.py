@@ -139,11 +139,32 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     out.append(("mla_decode(out=)", device, shape,
                 lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07, out=o), sync,
                 ("fi", "run(out=)")))
+    # Where mla_decode's time goes: the module entry point it calls (no Python wrapper in front), with and
+    # without out=, and that entry point's argument checks alone (no launch).
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    try:
+        from hmoe.ops import _cuda
+        mod = _cuda.module(index, "mla_decode", sel=hmoe.ops.mla.route(index, Hq, page))
+        cfg, tma = hmoe.ops.mla._overrides(None, None)
+
+        def entry(dst=None):
+            return mod.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, dst, False, cfg, tma)
+
+        def checks():
+            return mod.mla_decode_check(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None)
+    except Exception as e:  # noqa: BLE001 - the rows report the failure
+        def entry(dst=None, e=e):
+            raise e
+        checks = entry
+    out += [("mla_decode: module entry", device, shape + ", no Python wrapper", entry, sync, None),
+            ("mla_decode: module entry (out=)", device, shape + ", no Python wrapper", lambda: entry(o), sync, None),
+            ("mla_decode: argument checks", device, "the module's checks of the same call, no launch", checks, sync,
+             None)]
     # 128 heads: the shapes the sm90a family runs on Hopper (its launch encodes four tensor maps).
     q_nope128 = torch.randn(B, 128, 512, device=dev, dtype=torch.bfloat16)
     q_pe128 = torch.randn(B, 128, 64, device=dev, dtype=torch.bfloat16)
     try:
-        route = hmoe.ops.mla.route(dev.index if dev.index is not None else torch.cuda.current_device(), 128, page).variant
+        route = hmoe.ops.mla.route(index, 128, page).variant
     except Exception as e:  # noqa: BLE001 - the call's own row reports the failure
         route = f"no route: {type(e).__name__}"
     out.append(("mla_decode (128 heads)", device, f"B={B} H=128 S={S} page={page} bf16, {route}",
@@ -269,7 +290,9 @@ def main(argv=None, prog="python -m hmoe.bench overhead") -> int:
           f"{CPU_GOAL_US:.0f} us, mla_decode no more than flashinfer's run() (the same output handling), a custom "
           f"op (torch.ops.hmoe) at most {CUSTOM_OP_GOAL_US:.0f} us more than the direct call. A compared row's "
           f"blocks alternate with blocks of what it is compared with; its goal column is the median over those "
-          f"pairs of the difference (custom ops) or the ratio (mla_decode, the slower flashinfer backend's)\n")
+          f"pairs of the difference (custom ops) or the ratio (mla_decode, the slower flashinfer backend's). The "
+          f"'mla_decode: ...' rows take mla_decode apart: the module entry point it calls, without the Python "
+          f"wrapper in front (with and without out=), and that entry point's argument checks alone\n")
     todo = cases(torch, hmoe, device, flashinfer)
     rows = [measure(case, references(case, todo), opts) for case in todo]
     for r in rows:
