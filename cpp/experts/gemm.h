@@ -20,9 +20,10 @@ using isa::V;
 template <int MR, int NR>
 constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
 
-// The software prefetch on each weight stream: kPrefetchBytes ahead, into L2 or L1 as the ISA
-// header says (isa::kPrefetchL2). Blocks are 64 KB-ish streams that cross a page every 4 KB, where
-// hardware prefetchers restart. (HMOE_TUNE_* macros: set by tools/experts_tune only.)
+// The software prefetch on each weight stream: Ahead bytes ahead (kPrefetchBytes for the packed
+// blocks), into L2 or L1 as the ISA header says (isa::kPrefetchL2). Blocks are 64 KB-ish streams
+// that cross a page every 4 KB, where hardware prefetchers restart. (HMOE_TUNE_* macros: set by
+// tools/experts_tune only.)
 #ifndef HMOE_TUNE_PREFETCH_BYTES
 #define HMOE_TUNE_PREFETCH_BYTES 1024
 #endif
@@ -31,9 +32,9 @@ constexpr int kSplitK = MR * NR <= 4 ? 2 : 1;
 #endif
 constexpr int64_t kPrefetchBytes = HMOE_TUNE_PREFETCH_BYTES;
 
+template <int64_t Ahead = kPrefetchBytes>
 inline void prefetch(const void* p) {
-  if constexpr (kPrefetchBytes > 0)
-    __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, HMOE_TUNE_PREFETCH_LOCALITY);
+  if constexpr (Ahead > 0) __builtin_prefetch(static_cast<const char*>(p) + Ahead, 0, HMOE_TUNE_PREFETCH_LOCALITY);
 }
 
 // C[MR][NR*16] = A[MR, kd] x packed blocks B[0..NR) (format.h layout).
@@ -269,8 +270,7 @@ inline void mk_rows(const float* A, int64_t lda, const void* const* rows, int64_
   for (int64_t k = 0; k < kv; k += 16) {
     V b[kRowsNW];
     for (int j = 0; j < kRowsNW; ++j) {
-      __builtin_prefetch(static_cast<const char*>(rows[j]) + k * kEsz + kRowsPrefetchBytes, 0,
-                         HMOE_TUNE_PREFETCH_LOCALITY);
+      prefetch<kRowsPrefetchBytes>(static_cast<const char*>(rows[j]) + k * kEsz);
       b[j] = load_row16<WD>(rows[j], k);
     }
     for (int i = 0; i < MR; ++i) {

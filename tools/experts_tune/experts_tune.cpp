@@ -17,7 +17,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <new>
 #include <random>
 #include <string>
 #include <thread>
@@ -112,13 +111,11 @@ int main(int argc, char** argv) {
   const int64_t g13 = fmt == kBF16 ? 0 : per_row ? round_up(H, 128) : 128;
   const int64_t g2 = fmt == kBF16 ? 0 : per_row ? round_up(I, 128) : 128;
   const int64_t b13 = packed_w13_bytes(fmt, H, I, g13), b2 = packed_w2_bytes(fmt, H, I, g2);
-  // Packed weights as the library holds them: huge-page advised before the packers first touch them.
+  // Packed weights as the library holds them: huge-page advised before the packers first touch them
+  // (new[] of bytes leaves the pages untouched).
   auto packed_buffer = [](int64_t bytes) {
-    const size_t n = size_t(round_up(std::max<int64_t>(bytes, 1), int64_t(2) << 20));
-    std::unique_ptr<uint8_t[], void (*)(void*)> b(static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, n)),
-                                                  std::free);
-    if (!b) throw std::bad_alloc();
-    advise_huge_pages(b.get(), int64_t(n));
+    std::unique_ptr<uint8_t[]> b(new uint8_t[size_t(bytes)]);
+    advise_huge_pages(b.get(), bytes);
     return b;
   };
   auto w13 = packed_buffer(E * b13), w2 = packed_buffer(E * b2);
