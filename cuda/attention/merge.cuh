@@ -127,25 +127,18 @@ __global__ void __launch_bounds__(kRowThreads<D>* kBlockRows) merge_few_kernel(c
 }  // namespace merge_detail
 
 template <int D>
-void merge_splits(const SplitMerge& m, cudaStream_t stream, bool programmatic, const char* op) {
+void merge_splits(const SplitMerge& m, bool programmatic, Launches& into) {
   using namespace merge_detail;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
   const bool few = m.num_splits <= kFewSplits;
   // Rows of >= 8 splits each, and enough threads that the first two warps can weigh every split.
   const int rows =
       std::clamp(std::max(m.num_splits / 8, (m.num_splits + 31) / 32 * 32 / kRowThreads<D>), 1, kBlockRows);
-  cfg.gridDim = dim3(unsigned(few ? (m.rows + kBlockRows - 1) / kBlockRows : m.rows));
-  cfg.blockDim = dim3(kRowThreads<D> * (few ? kBlockRows : rows));
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = programmatic ? 1 : 0;
+  const dim3 grid(unsigned(few ? (m.rows + kBlockRows - 1) / kBlockRows : m.rows));
+  const dim3 block(kRowThreads<D> * (few ? kBlockRows : rows));
   const bool bf16 = m.dtype == kBF16;
   const auto kernel = few ? (bf16 ? merge_few_kernel<__nv_bfloat16, D> : merge_few_kernel<__half, D>)
                           : (bf16 ? merge_kernel<__nv_bfloat16, D> : merge_kernel<__half, D>);
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, m), op, "split merge launch");
+  into.add(kernel, grid, block, 0, programmatic, m);
 }
 
 template <int D>

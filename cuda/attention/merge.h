@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "common/launch.h"
+
 namespace hmoe {
 namespace attn {
 
@@ -21,12 +23,12 @@ struct SplitMerge {
   int32_t dtype;             // kBF16 or kF16
 };
 
-// Launches the merge of rows of width D (a multiple of 4, at most 512) on `stream`; `programmatic`
-// (sm_90+): as a programmatic dependent of the kernel launched just before (which calls
-// griddepcontrol.launch_dependents). `op` names the caller in errors. Instantiated per D by the
-// op that uses it (its .cu includes merge.cuh). Throws std::runtime_error on a CUDA error.
+// Records the launch of the merge of rows of width D (a multiple of 4, at most 512) in `into`;
+// `programmatic` (sm_90+): as a programmatic dependent of the launch recorded before it (whose
+// kernel calls griddepcontrol.launch_dependents). Instantiated per D by the op that uses it (its
+// .cu includes merge.cuh).
 template <int D>
-void merge_splits(const SplitMerge& m, cudaStream_t stream, bool programmatic, const char* op);
+void merge_splits(const SplitMerge& m, bool programmatic, Launches& into);
 
 // Loads the merge kernels for D (lazy work that must not happen inside CUDA-graph capture).
 template <int D>

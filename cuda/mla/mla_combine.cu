@@ -7,9 +7,9 @@ namespace hmoe {
 
 static_assert(kMlaMaxSplits <= attn::kMergeMaxSplits, "the merge weighs at most kMergeMaxSplits splits");
 
-void mla_combine(const MlaDecodeParams& p, cudaStream_t stream, bool programmatic) {
+void mla_combine(const MlaDecodeParams& p, bool programmatic, Launches& into) {
   const attn::SplitMerge m{p.partial_o, p.partial_lse, p.out, p.lse, int64_t(p.batch) * p.heads, p.num_splits, p.dtype};
-  attn::merge_splits<kMlaDimCkv>(m, stream, programmatic, "mla_decode");
+  attn::merge_splits<kMlaDimCkv>(m, programmatic, into);
 }
 
 void mla_combine_prewarm() { attn::merge_prewarm<kMlaDimCkv>("mla_decode"); }

@@ -3,13 +3,14 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "common/launch.h"
 #include "hmoe/mla_decode.h"
 
 namespace hmoe {
 
-// Launches the merge of p.num_splits (> 1) partials on `stream`; `programmatic` (sm_90+): as a
-// programmatic dependent of the decode kernel launched just before. Throws on a CUDA error.
-void mla_combine(const MlaDecodeParams& p, cudaStream_t stream, bool programmatic);
+// Records the launch of the merge of p.num_splits (> 1) partials in `into`; `programmatic` (sm_90+):
+// as a programmatic dependent of the decode kernel recorded before it.
+void mla_combine(const MlaDecodeParams& p, bool programmatic, Launches& into);
 
 // Loads the combine kernels (lazy work that must not happen inside CUDA-graph capture).
 void mla_combine_prewarm();

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/launch.h"
 #include "hmoe/mla_decode.h"
 
 namespace hmoe {
@@ -15,10 +16,12 @@ namespace hmoe {
 MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, int page_size, int config,
                               bool allow_tma);
 
-// Launches on `stream` (asynchronous) as `plan` says (p.num_splits = plan.num_splits). Throws
-// std::invalid_argument for a plan that does not fit p or the device, std::runtime_error on a
-// CUDA error.
-void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream);
+// Launches on `stream` (asynchronous) as `plan` says (p.num_splits = plan.num_splits): the decode
+// kernel, then the combine pass when it splits, through `graph` (the stream's eager graph) where
+// given (common/launch.h). Throws std::invalid_argument for a plan that does not fit p or the device,
+// std::runtime_error on a CUDA error.
+void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream,
+                       EagerGraph* graph = nullptr);
 
 // Why this family does not serve calls of this shape (the dispatcher then runs them on the portable
 // family and says why), or nullptr when it serves them. Shapes only: the answer never changes.

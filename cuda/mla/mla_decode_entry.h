@@ -142,11 +142,13 @@ inline MlaDecodePlan mla_decode_cached_plan(int device, int batch, int heads, in
   return plans.emplace(key, plan).first->second;
 }
 
-// Where a call's split partials go. Eager calls reuse one grow-only buffer per (device, stream):
-// the stream orders its users, and the buffer's lock is held while a call enqueues its two kernels
-// (decode, combine), so calls from several threads never interleave on it. Under graph capture
-// every call gets its own allocation from torch (the graph's private pool): a graph never shares
-// memory with later eager calls. The buffers live until the process ends.
+// Where a call's split partials go, and how its two kernels (decode, combine) are launched. Eager
+// calls reuse one grow-only buffer per (device, stream) and launch through the stream's EagerGraph
+// (common/launch.h: one graph launch costs the host less than two kernel launches): the stream
+// orders its users, and the buffer's lock is held while a call enqueues its kernels, so calls from
+// several threads never interleave on it. Under graph capture every call gets its own allocation
+// from torch (the graph's private pool: a graph never shares memory with later eager calls) and
+// launches its kernels directly, into the captured graph. The buffers live until the process ends.
 class Partials {
  public:
   Partials(int device, void* stream, int64_t floats) {
@@ -179,6 +181,8 @@ class Partials {
     data_ = buf_->data;
   }
   float* data() const { return data_; }
+  // The stream's eager graph (the lock held), or nullptr under capture.
+  EagerGraph* graph() const { return buf_ == nullptr ? nullptr : &buf_->graph; }
   // Called once the kernels are enqueued, before the GIL is taken back (a thread holding the GIL
   // may be waiting for this lock).
   void unlock() {
@@ -191,6 +195,7 @@ class Partials {
     PyObject* tensor = nullptr;  // a torch tensor from the exchange API's allocator
     float* data = nullptr;
     int64_t floats = 0;
+    EagerGraph graph;
   };
   Buffer* buf_ = nullptr;
   std::unique_lock<std::mutex> lock_;  // held until unlock(): the call's kernels are enqueued
@@ -233,7 +238,7 @@ inline py::object mla_decode_entry(py::handle q_nope, py::handle q_pe, py::handl
       p.partial_lse = p.partial_o + n * kMlaDimCkv;
       py::gil_scoped_release nogil;
       try {
-        mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+        mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream), partials.graph());
       } catch (...) {
         partials.unlock();
         throw;

@@ -504,7 +504,8 @@ void mla_decode_prewarm(int device) {
   mla_combine_prewarm();
 }
 
-void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle) {
+void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle,
+                       EagerGraph* graph) {
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
@@ -525,15 +526,17 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
     maps.ckv = tensor_map(p.ckv, rows, kMlaDimCkv, kBlockCols, CU_TENSOR_MAP_SWIZZLE_128B);
     maps.kpe = tensor_map(p.kpe, rows, kMlaDimPe, kWarpRope, CU_TENSOR_MAP_SWIZZLE_32B);
   }
-  auto launch = [&](auto kernel, int bytes, int threads) { kernel<<<grid, threads, bytes, stream>>>(p, maps); };
+  Launches launches;
+  launches.op = "mla_decode";
+  auto add = [&](auto kernel, int bytes, int threads) { launches.add(kernel, grid, threads, bytes, false, p, maps); };
   if (p.dtype == kBF16)
-    with_config<__nv_bfloat16>(plan.config, plan.loader, launch);
+    with_config<__nv_bfloat16>(plan.config, plan.loader, add);
   else
-    with_config<__half>(plan.config, plan.loader, launch);
-  check(cudaGetLastError(), "kernel launch");
+    with_config<__half>(plan.config, plan.loader, add);
   // Programmatic dependent launch exists on sm_90+ only.
   if (p.num_splits > 1)
-    mla_combine(p, stream, device_attribute(device, cudaDevAttrComputeCapabilityMajor, "mla_decode") >= 9);
+    mla_combine(p, device_attribute(device, cudaDevAttrComputeCapabilityMajor, "mla_decode") >= 9, launches);
+  run_launches(launches, stream, graph);
 }
 
 }  // namespace hmoe

@@ -490,7 +490,8 @@ void mla_decode_prewarm(int device) {
   mla_combine_prewarm();
 }
 
-void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle) {
+void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream_handle,
+                       EagerGraph* graph) {
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
@@ -507,9 +508,11 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
   maps.ckv = tensor_map_2d(p.ckv, rows, kMlaDimCkv, 64, box, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
   maps.kpe = tensor_map_2d(p.kpe, rows, kMlaDimPe, 64, box, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
   const dim3 grid(p.num_splits, (p.heads + kHeads - 1) / kHeads, p.batch);
-  with_kernel(p.dtype, [&](auto kernel) { kernel<<<grid, kThreads, Smem::bytes, stream>>>(p, box, maps); });
-  check(cudaGetLastError(), "kernel launch");
-  if (p.num_splits > 1) mla_combine(p, stream, true);
+  Launches launches;
+  launches.op = "mla_decode (sm90a)";
+  with_kernel(p.dtype, [&](auto kernel) { launches.add(kernel, grid, kThreads, Smem::bytes, false, p, box, maps); });
+  if (p.num_splits > 1) mla_combine(p, true, launches);
+  run_launches(launches, stream, graph);
 }
 
 }  // namespace hmoe

@@ -19,3 +19,14 @@ def get(name: str) -> str | None:
         key = _KEYS[name] = os.fsencode(name)
     value = _DATA.get(key)
     return None if value is None else os.fsdecode(value)
+
+
+def reader(*names: str):
+    """A function that returns the current values of `names` as one tuple (bytes or None on POSIX,
+    str or None elsewhere), at a dict lookup each: the key of a cache of what those variables
+    decide, for an op that consults several of them on every call."""
+    if _DATA is None:
+        return lambda: tuple(os.environ.get(n) for n in names)
+    keys = tuple(os.fsencode(n) for n in names)
+    get = _DATA.get
+    return lambda: tuple(map(get, keys))

@@ -171,7 +171,8 @@ def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch, H, variant)
         nz = torch.tensor(new) > 0
         assert rel_err(out[nz], ref_o[nz]) < TOL[torch.bfloat16]
         assert torch.isneginf(lse[~nz].cpu()).all() and (out[~nz] == 0).all()
-    monkeypatch.setattr(_cuda, "_warm", set())
+    monkeypatch.setattr(_cuda, "_warm", set())  # as before any call on the device: no module prewarmed,
+    monkeypatch.setattr(mla_mod, "_calls", {})  # and no call's decisions remembered
     with pytest.raises(RuntimeError, match="prewarm"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE, variant=v)
@@ -206,6 +207,29 @@ def test_threads_sharing_a_stream_and_the_split_buffer(H, variant):
     assert not errors and len(results) == 24
     for (i, _), got in results.items():
         assert rel_err(got, refs[i]) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_eager_calls_changing_kernel_grid_and_dtype_on_one_stream(variant):
+    # Eager calls that split launch their decode and combine kernels through the stream's graph
+    # (cuda/common/launch.h), whose nodes' kernel, grid and arguments change from call to call here;
+    # out= and fresh outputs alike, lse too, each checked against the reference.
+    shapes = [(2, 128, [6000, 4100], 64, torch.bfloat16), (1, 16, [900], 32, torch.float16),
+              (3, 40, [3000, 0, 2500], 64, torch.float16), (1, 128, [20000], 64, torch.bfloat16)]
+    cases = [make_cache(B, H, lens, page, dtype, "cuda", gen(70 + i)) for i, (B, H, lens, page, dtype) in
+             enumerate(shapes)]
+    refs = [mla_reference(*c, SCALE) for c in cases]
+    vs = [variant_for(variant, c) for c in cases]
+    for _ in range(2):
+        for c, (ref_o, ref_lse), v, (B, H, lens, page, dtype) in zip(cases, refs, vs, shapes):
+            out = torch.full_like(c[0], float("nan"))
+            got, lse = hmoe.ops.mla_decode(*c, sm_scale=SCALE, variant=v, return_lse=True, out=out)
+            fresh = hmoe.ops.mla_decode(*c, sm_scale=SCALE, variant=v)
+            torch.cuda.synchronize()
+            nz = torch.tensor(lens) > 0
+            assert got is out and rel_err(got[nz], ref_o[nz]) < TOL[dtype] and torch.equal(fresh, got)
+            assert (lse[nz].cpu() - ref_lse[nz]).abs().max() < 2e-2
+            assert (got[~nz] == 0).all() and torch.isneginf(lse[~nz].cpu()).all()
 
 
 PTX_CHECK = """

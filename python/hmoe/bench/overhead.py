@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import statistics
@@ -117,28 +118,37 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     out.append(("grouped_topk", device, "T=1 E=64 top-6 sigmoid, 8 groups",
                 lambda: hmoe.ops.grouped_topk(lg, bias=bs, **topk), sync, None))
     B, Hq, S, page = 1, 16, 256, 64
-    q_nope = torch.randn(B, Hq, 512, device=dev, dtype=torch.bfloat16)
-    q_pe = torch.randn(B, Hq, 64, device=dev, dtype=torch.bfloat16)
+    # Two layers' queries and outputs, used in turn by every mla_decode and flashinfer row: a call's
+    # arguments differ from the call's before it, as in a model (hmoe's eager launch skips work for
+    # arguments that repeat: cuda/common/launch.h).
+    qs = [(torch.randn(B, Hq, 512, device=dev, dtype=torch.bfloat16),
+           torch.randn(B, Hq, 64, device=dev, dtype=torch.bfloat16)) for _ in range(2)]
+    q_nope, q_pe = qs[0]
+    layers = lambda *per: itertools.cycle(list(zip(*per))).__next__  # noqa: E731 - a fresh turn per row
     ckv = torch.randn(S // page, page, 512, device=dev, dtype=torch.bfloat16)
     kpe = torch.randn(S // page, page, 64, device=dev, dtype=torch.bfloat16)
     pt = torch.arange(S // page, dtype=torch.int32, device=dev).view(1, -1)
     lens = torch.full((B,), S, dtype=torch.int32, device=dev)
-    shape = f"B={B} H={Hq} S={S} page={page} bf16"
+    shape = f"B={B} H={Hq} S={S} page={page} bf16, two layers' queries in turn"
+    nxt = layers(qs)
     out.append(("mla_decode", device, shape,
-                lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07), sync, ("fi", "run()")))
+                lambda: hmoe.ops.mla_decode(*nxt()[0], ckv, kpe, pt, lens, sm_scale=0.07), sync, ("fi", "run()")))
     out.append(("torch.ops.hmoe.grouped_topk", device, "as grouped_topk",
                 lambda: library.grouped_topk(lg, 6, 8, 3, "sigmoid", bs, True, 2.5), sync, ("custom", "grouped_topk")))
     out.append(("torch.ops.hmoe.mla_decode", device, "as mla_decode",
-                lambda: library.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
+                lambda nx=layers(qs): library.mla_decode(*nx()[0], ckv, kpe, pt, lens, 0.07, None), sync,
                 ("custom", "mla_decode")))
     noop = _noop_op(torch, "mla_decode", library._MLA_ARGS, "CUDA")
     out.append(("torch dispatcher, no-op kernel", device, "a Python kernel that returns q_nope, mla_decode's schema: "
                 "the floor of any torch.ops path", lambda: noop(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None), sync,
                 None))
-    o = torch.empty_like(q_nope)
-    out.append(("mla_decode(out=)", device, shape,
-                lambda: hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=0.07, out=o), sync,
-                ("fi", "run(out=)")))
+    os_ = [torch.empty_like(q_nope) for _ in qs]
+    nxt_o = layers(qs, os_)
+
+    def with_out():
+        (qn, qp), o = nxt_o()
+        return hmoe.ops.mla_decode(qn, qp, ckv, kpe, pt, lens, sm_scale=0.07, out=o)
+    out.append(("mla_decode(out=)", device, shape, with_out, sync, ("fi", "run(out=)")))
     # Where mla_decode's time goes: the module entry point it calls (no Python wrapper in front), with and
     # without out=, and that entry point's argument checks alone (no launch).
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -147,28 +157,33 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
         mod = _cuda.module(index, "mla_decode", sel=hmoe.ops.mla.route(index, Hq, page))
         cfg, tma = hmoe.ops.mla._overrides(None, None)
 
-        def entry(dst=None):
-            return mod.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, dst, False, cfg, tma)
+        nxt_e = layers(qs, os_)
+
+        def entry(with_out=False):
+            (qn, qp), o = nxt_e()
+            return mod.mla_decode(qn, qp, ckv, kpe, pt, lens, 0.07, o if with_out else None, False, cfg, tma)
 
         def checks():
             return mod.mla_decode_check(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None)
     except Exception as e:  # noqa: BLE001 - the rows report the failure
-        def entry(dst=None, e=e):
+        def entry(with_out=False, e=e):
             raise e
         checks = entry
     out += [("mla_decode: module entry", device, shape + ", no Python wrapper", entry, sync, None),
-            ("mla_decode: module entry (out=)", device, shape + ", no Python wrapper", lambda: entry(o), sync, None),
+            ("mla_decode: module entry (out=)", device, shape + ", no Python wrapper", lambda: entry(True), sync,
+             None),
             ("mla_decode: argument checks", device, "the module's checks of the same call, no launch", checks, sync,
              None)]
     # 128 heads: the shapes the sm90a family runs on Hopper (its launch encodes four tensor maps).
-    q_nope128 = torch.randn(B, 128, 512, device=dev, dtype=torch.bfloat16)
-    q_pe128 = torch.randn(B, 128, 64, device=dev, dtype=torch.bfloat16)
+    nxt128 = layers([(torch.randn(B, 128, 512, device=dev, dtype=torch.bfloat16),
+                      torch.randn(B, 128, 64, device=dev, dtype=torch.bfloat16)) for _ in range(2)])
     try:
         route = hmoe.ops.mla.route(index, 128, page).variant
     except Exception as e:  # noqa: BLE001 - the call's own row reports the failure
         route = f"no route: {type(e).__name__}"
-    out.append(("mla_decode (128 heads)", device, f"B={B} H=128 S={S} page={page} bf16, {route}",
-                lambda: hmoe.ops.mla_decode(q_nope128, q_pe128, ckv, kpe, pt, lens, sm_scale=0.07), sync, ("fi", "run()")))
+    out.append(("mla_decode (128 heads)", device, f"B={B} H=128 S={S} page={page} bf16, {route}, two layers' "
+                "queries in turn", lambda: hmoe.ops.mla_decode(*nxt128()[0], ckv, kpe, pt, lens, sm_scale=0.07), sync,
+                ("fi", "run()")))
     if flashinfer is not None:
         for backend in ("fa2", "fa3") if torch.cuda.get_device_capability(dev) == (9, 0) else ("fa2",):
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
@@ -176,11 +191,14 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
             indptr = torch.tensor([0, S // page], dtype=torch.int32, device=dev)
             wrapper.plan(torch.arange(B + 1, dtype=torch.int32, device=dev), indptr, pt.flatten(), lens, Hq, 512, 64,
                          page, False, 0.07, torch.bfloat16, torch.bfloat16)
-            fo = torch.empty_like(q_nope)
+            fos = [torch.empty_like(q_nope) for _ in qs]
             out.append((f"flashinfer {backend} run()", device, shape + " (after plan())",
-                        lambda wr=wrapper: wr.run(q_nope, q_pe, ckv, kpe), sync, None))
-            out.append((f"flashinfer {backend} run(out=)", device, shape + " (after plan())",
-                        lambda wr=wrapper, fo=fo: wr.run(q_nope, q_pe, ckv, kpe, out=fo), sync, None))
+                        lambda wr=wrapper, nx=layers(qs): wr.run(*nx()[0], ckv, kpe), sync, None))
+
+            def run_out(wr=wrapper, nx=layers(qs, fos)):
+                (qn, qp), fo = nx()
+                return wr.run(qn, qp, ckv, kpe, out=fo)
+            out.append((f"flashinfer {backend} run(out=)", device, shape + " (after plan())", run_out, sync, None))
     return out
 
 

@@ -30,6 +30,12 @@ LOADERS = {_C["mla_loader_rows"]: "cp.async rows", _C["mla_loader_contig"]: "cp.
 FALLBACK = "portable"  # the family that serves every shape: it runs what another family declines
 ROPE_LAYOUTS = ("interleaved", "half", "interleaved_to_half")  # mla_rope_append's rope_layout
 _routes: dict = {}
+# What an mla_decode call decides before the launch (the route, the module, the plan's overrides), per
+# (q_nope's type and device, heads, page size, variant= and the environment variables those read):
+# (module, config, tma). Filled by a call that took the whole path and runs hmoe's own kernel; a
+# call whose key is here goes straight to the module, whose entry point checks every argument.
+_calls: dict = {}
+_call_env = _env.reader("HMOE_CUDA_VARIANT", "HMOE_CHECK_INDICES", "HMOE_MLA_CONFIG", "HMOE_MLA_TMA")
 
 
 class MlaPlan(collections.namedtuple(
@@ -157,6 +163,15 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     the portable one when it was hmoe's choice, and is a ValueError when forced; see route().
     `out` (optional) receives the result: [B, H, 512], q's dtype and device, contiguous.
     """
+    try:
+        key = (type(q_nope), q_nope.get_device(), q_nope.shape[1], ckv_cache.shape[1], variant, _call_env())
+        known = None if check_indices else _calls.get(key)
+    except Exception:  # not tensors of the op's shapes (or unhashable): the whole path says what is wrong
+        key = known = None
+    if known is not None:
+        mod, config, tma = known
+        return mod.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
+                              config, tma)
     index = _cuda.cuda_index(q_nope)
     if index < 0:  # not a plain CUDA tensor: say what is wrong with it
         V.tensor("q_nope", q_nope, ndim=3, dtypes=V.half_dtypes(), device="cuda")
@@ -186,8 +201,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
             return backends.run(sel.variant, "mla_decode", q_nope, q_pe, ckv_cache, kpe_cache, page_table,
                                 seq_lens, sm_scale=float(sm_scale), return_lse=return_lse, out=out)
     config, tma = _overrides(None, None)
-    return mod.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
-                          config, tma)
+    result = mod.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
+                            config, tma)
+    if key is not None and not check_indices:  # the same key takes the same path: remember where it led
+        _calls[key] = (mod, config, tma)
+    return result
 
 
 def mla_rope_append(q, kv, norm_weight, cos, sin, ckv_cache, kpe_cache, page_table, seq_lens, *, eps, rope_layout):
