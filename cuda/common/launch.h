@@ -1,10 +1,10 @@
 // Kernel launches as values (host code). A family's launcher records what one op call launches
 // (Launches: the kernel, its grid, block, shared memory and arguments, whether it may start as a
 // programmatic dependent of the launch before it); the caller then runs them, either one by one on
-// a stream or through a stream's EagerGraph. On the GPU machines' hosts a kernel launch costs the
-// host about 4.5 us and a two-kernel graph whose nodes' parameters are set before each launch
-// about 4.2 us against 7.7-8.7 for the two launches (docs/perf/mla_decode.md): an eager call that
-// launches two kernels goes through the graph.
+// a stream or through a stream's EagerGraph. On the H200 machines' hosts a kernel launch costs the
+// host 4.2-4.7 us, two 7.0-8.8 us, and a two-kernel graph whose nodes' parameters are set before
+// the launch 2.8-4.6 us (docs/perf/mla_decode.md): an eager call that launches two kernels goes
+// through the graph.
 #pragma once
 #include <cuda_runtime.h>
 
