@@ -29,20 +29,27 @@ struct KernelLaunch {
   bool programmatic = false;  // may start before the launch before it ends (sm_90+: griddepcontrol)
   int nargs = 0;
   unsigned offset[kMaxArgs] = {};
+  size_t bytes = 0;  // of storage the arguments (and their padding) take
   alignas(64) unsigned char storage[kStorage];
 
   // The argument pointers cudaLaunchKernelExC and kernel graph nodes take.
   void argv(void** out) {
     for (int i = 0; i < nargs; ++i) out[i] = storage + offset[i];
   }
+  // This launch as a graph kernel node's parameters, its arguments through `out` (kMaxArgs).
+  cudaKernelNodeParams node_params(void** out) {
+    argv(out);
+    cudaKernelNodeParams kp = {};
+    kp.func = const_cast<void*>(func), kp.gridDim = grid, kp.blockDim = block, kp.sharedMemBytes = smem;
+    kp.kernelParams = out;
+    return kp;
+  }
   bool same_as(const KernelLaunch& o) const {
     return func == o.func && grid.x == o.grid.x && grid.y == o.grid.y && grid.z == o.grid.z && block.x == o.block.x &&
            block.y == o.block.y && block.z == o.block.z && smem == o.smem && programmatic == o.programmatic &&
-           nargs == o.nargs && std::memcmp(offset, o.offset, sizeof(offset)) == 0 &&
-           std::memcmp(storage, o.storage, used()) == 0;
+           nargs == o.nargs && bytes == o.bytes && std::memcmp(offset, o.offset, sizeof(offset)) == 0 &&
+           std::memcmp(storage, o.storage, bytes) == 0;
   }
-  size_t used() const { return nargs == 0 ? 0 : offset[nargs - 1] + last_size; }
-  size_t last_size = 0;
 };
 
 // The launches of one op call, in stream order.
@@ -63,23 +70,21 @@ struct Launches {
     l.func = reinterpret_cast<const void*>(kernel);
     l.grid = grid, l.block = block, l.smem = smem, l.programmatic = programmatic;
     l.nargs = 0;
-    size_t at = 0;
-    (store<std::remove_cv_t<P>>(l, at, args), ...);
+    l.bytes = 0;
+    (store<std::remove_cv_t<P>>(l, args), ...);
   }
 
  private:
   template <typename T, typename A>
-  static void store(KernelLaunch& l, size_t& at, const A& arg) {
+  static void store(KernelLaunch& l, const A& arg) {
     static_assert(std::is_trivially_copyable_v<T>, "kernel parameters are copied bytes");
-    const size_t from = at;
-    at = (at + alignof(T) - 1) / alignof(T) * alignof(T);
+    const size_t at = (l.bytes + alignof(T) - 1) / alignof(T) * alignof(T);
     if (at + sizeof(T) > KernelLaunch::kStorage)
       throw std::logic_error("kernel arguments exceed KernelLaunch's storage");
-    std::memset(l.storage + from, 0, at + sizeof(T) - from);  // padding compares equal in same_as
+    std::memset(l.storage + l.bytes, 0, at + sizeof(T) - l.bytes);  // padding compares equal in same_as
     new (l.storage + at) T(arg);
     l.offset[l.nargs++] = unsigned(at);
-    l.last_size = sizeof(T);
-    at += sizeof(T);
+    l.bytes = at + sizeof(T);
   }
 };
 
@@ -112,10 +117,7 @@ class EagerGraph {
     void* argv[KernelLaunch::kMaxArgs];
     for (int i = 0; i < L.n; ++i) {
       if (last_[i].same_as(L.k[i])) continue;
-      L.k[i].argv(argv);
-      cudaKernelNodeParams kp = {};
-      kp.func = const_cast<void*>(L.k[i].func), kp.gridDim = L.k[i].grid, kp.blockDim = L.k[i].block;
-      kp.sharedMemBytes = L.k[i].smem, kp.kernelParams = argv;
+      const cudaKernelNodeParams kp = L.k[i].node_params(argv);
       if (cudaGraphExecKernelNodeSetParams(exec_, nodes_[i], &kp) != cudaSuccess) return fail();
       last_[i] = L.k[i];
     }
@@ -134,10 +136,7 @@ class EagerGraph {
     if (cudaGraphCreate(&graph_, 0) != cudaSuccess) return false;
     void* argv[KernelLaunch::kMaxArgs];
     for (int i = 0; i < L.n; ++i) {
-      L.k[i].argv(argv);
-      cudaKernelNodeParams kp = {};
-      kp.func = const_cast<void*>(L.k[i].func), kp.gridDim = L.k[i].grid, kp.blockDim = L.k[i].block;
-      kp.sharedMemBytes = L.k[i].smem, kp.kernelParams = argv;
+      const cudaKernelNodeParams kp = L.k[i].node_params(argv);
       if (cudaGraphAddKernelNode(&nodes_[i], graph_, nullptr, 0, &kp) != cudaSuccess) return false;
       if (i > 0) {
         cudaGraphEdgeData edge = {};

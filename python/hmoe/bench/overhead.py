@@ -17,6 +17,12 @@ CPU_GOAL_US = 10.0  # issue goal for the CPU ops' host time per call on the GPU 
 CUSTOM_OP_GOAL_US = 5.0  # issue goal: what the torch custom-op path (hmoe.ops.library) may add per call
 
 
+def layers(*per):
+    """A function returning the next of the per-layer argument tuples (zip of `per`), in turn: each
+    row takes its own, so that a call's arguments differ from the call's before it, as in a model."""
+    return itertools.cycle(list(zip(*per))).__next__
+
+
 def _block_us(fn, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -124,7 +130,6 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     qs = [(torch.randn(B, Hq, 512, device=dev, dtype=torch.bfloat16),
            torch.randn(B, Hq, 64, device=dev, dtype=torch.bfloat16)) for _ in range(2)]
     q_nope, q_pe = qs[0]
-    layers = lambda *per: itertools.cycle(list(zip(*per))).__next__  # noqa: E731 - a fresh turn per row
     ckv = torch.randn(S // page, page, 512, device=dev, dtype=torch.bfloat16)
     kpe = torch.randn(S // page, page, 64, device=dev, dtype=torch.bfloat16)
     pt = torch.arange(S // page, dtype=torch.int32, device=dev).view(1, -1)
