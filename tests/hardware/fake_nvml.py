@@ -73,9 +73,6 @@ def make(gpus=(), *, driver="580.65.06", cuda=13000, init_error=None, fail=None)
     fn("nvmlDeviceGetMemoryInfo", lambda h: types.SimpleNamespace(total=gpu(h)["mem"]))
     fn("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=gpu(h)["bus"]))
     fn("nvmlDeviceGetNumGpuCores", lambda h: gpu(h)["cores"])
-    m.NVML_CLOCK_SM = 1
-    fn("nvmlDeviceGetClockInfo", lambda h, kind: gpu(h).get("sm_mhz", 1980) if kind == m.NVML_CLOCK_SM else 0)
-    fn("nvmlDeviceGetCurrentClocksEventReasons", lambda h: gpu(h).get("clock_reasons", 0))
 
     def mig_mode(h):
         if "mig" not in gpu(h):

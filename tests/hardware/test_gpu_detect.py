@@ -236,26 +236,3 @@ def test_malformed_answer_is_a_line(monkeypatch):
     det = detect(monkeypatch, F.make([dict(F.H200, cc="nine"), F.A100]))
     assert det.gpus[0].compute_capability is None and det.gpus[0].problems
     assert det.gpus[1].compute_capability == (8, 0)
-
-
-def test_sm_clock_reader(monkeypatch):
-    h200 = dict(F.H200, sm_mhz=1755, clock_reasons=0x4 | 0x1)
-    monkeypatch.setattr(gpu, "_NVML_HOOK", F.make([F.A100, h200]))
-    gpu.refresh()
-    # FASTEST_FIRST puts the H200 (9.0) at CUDA ordinal 0, NVML index 1
-    read, why = gpu.sm_clock_reader(0)
-    assert why is None and read() == (1755, 0x5)
-    assert [gpu.CLOCK_REASONS[b] for b in (0x1, 0x4)] == ["idle", "power cap"]
-    read, why = gpu.sm_clock_reader(2)
-    assert read is None and "no GPU for CUDA device 2" in why
-
-
-def test_sm_clock_reader_failures_are_reasons(monkeypatch):
-    monkeypatch.setattr(gpu, "_NVML_HOOK", F.make([F.H200], fail={"nvmlDeviceGetClockInfo": F.NVMLError_NotSupported}))
-    gpu.refresh()
-    read, why = gpu.sm_clock_reader(0)
-    assert read is None and why == "NVML cannot read the SM clock (NVMLError_NotSupported: Not Supported)"
-    monkeypatch.setattr(gpu, "_NVML_HOOK", F.make(init_error=F.NVMLError_DriverNotLoaded))
-    gpu.refresh()
-    read, why = gpu.sm_clock_reader(0)
-    assert read is None and why.startswith("the NVIDIA kernel driver is not loaded")

@@ -40,8 +40,7 @@ def time_calls(fn, opts, flush) -> dict:
     """Median microseconds over opts.repeats (after opts.warmup) with the L2 flushed before each:
     CUDA-graph replays (fn has run eagerly once: its lazy work is done) unless opts.eager or capture
     fails (then eager calls, said in timing_note). The flush queued ahead keeps the GPU busy while
-    the CPU launches, so launch latency does not enter the times. With the SM clock over the timed
-    calls (membw.SmClock; flushes included)."""
+    the CPU launches, so launch latency does not enter the times."""
     import torch
 
     graph, timing, note = None, "eager", None
@@ -55,10 +54,8 @@ def time_calls(fn, opts, flush) -> dict:
     run = graph.replay if graph is not None else fn
     for _ in range(opts.warmup):
         run()
-    with membw.SmClock(torch.cuda.current_device()) as clock:
-        us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
-    return {"us": statistics.median(us), "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note,
-            **clock.summary()}
+    us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
+    return {"us": statistics.median(us), "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note}
 
 
 def check_cell(row: dict) -> str:

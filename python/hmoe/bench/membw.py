@@ -196,67 +196,6 @@ def cuda_event_ms(fn, repeats: int, before=None) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-class SmClock:
-    """The SM clock of CUDA device `ordinal` while a block of GPU work runs: NVML's reading polled from
-    a thread every `period_s` (`with SmClock(ordinal) as clock: ...`, then clock.summary()). The
-    clock moves with power and temperature, so a kernel's TFLOP/s says more beside the clock it ran
-    at (FlashMLA's published 660 TFLOP/s: an H800 held at about 1600 MHz by its power limit)."""
-
-    def __init__(self, ordinal: int, period_s: float = 5e-4):
-        from hmoe.hardware import gpu
-
-        self._read, self._why = gpu.sm_clock_reader(ordinal)
-        self._period, self._samples, self._reasons = period_s, [], 0
-        self._stop = self._thread = None
-
-    def _poll(self) -> None:
-        while True:
-            try:
-                mhz, reasons = self._read()
-            except Exception as e:  # noqa: BLE001 - the summary says why sampling stopped
-                self._why = f"NVML stopped answering ({type(e).__name__}: {e})"
-                return
-            self._samples.append(mhz)
-            self._reasons |= reasons
-            if self._stop.wait(self._period):
-                return
-
-    def __enter__(self):
-        if self._read is not None:
-            import threading
-
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._poll, name="hmoe-sm-clock", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-
-    def summary(self) -> dict:
-        """{"sm_mhz": median, "sm_mhz_min", "sm_mhz_max", "sm_clock_samples", "sm_clock_reasons": NVML's
-        clock-event reasons seen (idle, power cap, ...)}, with "sm_clock_note" if NVML stopped
-        answering; or {"sm_mhz": None, "sm_clock_note": why}."""
-        from hmoe.hardware import gpu
-
-        if not self._samples:
-            return {"sm_mhz": None, "sm_clock_note": self._why or "no sample (the work ended first)"}
-        res = {"sm_mhz": statistics.median(self._samples), "sm_mhz_min": min(self._samples),
-               "sm_mhz_max": max(self._samples), "sm_clock_samples": len(self._samples),
-               "sm_clock_reasons": [name for bit, name in gpu.CLOCK_REASONS.items() if self._reasons & bit]}
-        return dict(res, sm_clock_note=self._why) if self._why else res
-
-
-def clock_text(res: dict) -> str:
-    """' at 1755 MHz (SM clock: power cap)' for a result holding SmClock's summary, else ''."""
-    if not res.get("sm_mhz"):
-        return ""
-    reasons = ", ".join(r for r in res.get("sm_clock_reasons", ()) if r != "idle")
-    return f" at {res['sm_mhz']:.0f} MHz (SM clock{': ' + reasons if reasons else ''})"
-
-
 def gpu_copy_bandwidth(device, nbytes: int | None = None, repeats: int = 10) -> dict:
     """Device-memory bandwidth of a torch copy_ between two buffers on a CUDA `device`, timed with
     CUDA events (median over repeats). The buffer is >= 2 GiB by default, far past any L2, and is
@@ -291,12 +230,11 @@ def gpu_matmul_tflops(device, n: int = 8192, repeats: int = 10) -> dict:
         c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
         for _ in range(3):  # cuBLAS heuristics and clocks settle
             torch.matmul(a, b, out=c)
-        with SmClock(torch.device(device).index or 0) as clock:
-            ms = statistics.median(cuda_event_ms(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), repeats))
+        ms = statistics.median(cuda_event_ms(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), repeats))
         del a, b, c
         torch.cuda.empty_cache()
     return {"method": f"bf16 torch.matmul {n}x{n}x{n}, random data, CUDA events", "n": n,
-            "ms_median": ms, "tflops": 2 * n**3 / (ms * 1e9), **clock.summary()}
+            "ms_median": ms, "tflops": 2 * n**3 / (ms * 1e9)}
 
 
 class GpuL2Flusher:

@@ -181,7 +181,7 @@ COLUMNS = [  # (title, width, cell)
     ("us(med)", 9, hm_cell("us", ".1f")), ("GB/s", 6, hm_cell("gbps", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".1f")),
     ("%copy", 6, hm_cell("copy_frac", ".1%")),
     ("floor us", 13, lambda r: f"{r['hmoe']['floor_us']:.1f} ({r['hmoe']['floor_by']})" if "floor_us" in r["hmoe"] else "-"),
-    ("x floor", 7, hm_cell("x_floor", ".2f")), ("MHz", 5, hm_cell("sm_mhz", ".0f")),
+    ("x floor", 7, hm_cell("x_floor", ".2f")),
     ("fa2 us", 9, fi_cell("fa2", "us")), ("x fa2", 6, fi_cell("fa2", "speedup")),
     ("fa3 us", 9, fi_cell("fa3", "us")), ("x fa3", 6, fi_cell("fa3", "speedup")),
     ("check", 0, check_cell),
@@ -310,12 +310,10 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     print(f"hmoe variant: {selection} (the variant column: what ran each shape);  {opts.dtype}, page size "
           f"{opts.page_size}, sm_scale 1/sqrt(192), shuffled pages;  timing: {meta['timing']}")
     print(f"copy bandwidth: {copy['gbps']:.0f} GB/s (torch copy_ of a {copy['bytes_buffer'] / 2**30:.2f} GiB buffer; "
-          f"bytes read + written; GB = 1e9 B);  bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s"
-          f"{membw.clock_text(peak)}")
+          f"bytes read + written; GB = 1e9 B);  bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s")
     print("GB/s = (KV B*S*576 + q B*H*576 + out B*H*512) * 2 B / median time; TFLOP/s = B*H*S*(576+512)*2 / time;\n"
           "%copy = GB/s / copy bandwidth; floor = the longer of bytes / copy bandwidth and FLOPs / matmul rate, x floor = "
-          "time / floor;\nMHz = the SM clock (NVML) over hmoe's timed calls, flushes included; x faN = flashinfer faN time / "
-          "hmoe time (> 1: hmoe faster); t = timing;\n"
+          "time / floor;\nx faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
           f"check = normwise rel. error vs an fp64 reference (first {CHECK_REQUESTS} requests) and vs flashinfer "
           "(all requests); FAIL over tolerance\n")
     print(format_header(), flush=True)

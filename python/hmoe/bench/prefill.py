@@ -187,7 +187,7 @@ COLUMNS = [  # (title, width, cell)
     ("case", 27, lambda r: r["case"]), ("variant", 8, lambda r: r.get("variant", "-")),
     ("t", 5, lambda r: r["hmoe"].get("timing", "-")),
     ("us(med)", 8, hm_cell("us", ".0f")), ("TFLOP/s", 7, hm_cell("tflops", ".0f")), ("floor us", 8, hm_cell("floor_us", ".0f")),
-    ("x floor", 7, hm_cell("x_floor", ".2f")), ("MHz", 5, hm_cell("sm_mhz", ".0f")),
+    ("x floor", 7, hm_cell("x_floor", ".2f")),
     ("fa2 us", 7, fi_cell("fa2", "us", ".0f")), ("x fa2", 6, fi_cell("fa2", "speedup")),
     ("fa3 us", 7, fi_cell("fa3", "us", ".0f")), ("x fa3", 6, fi_cell("fa3", "speedup")),
     ("check", 0, check_cell),
@@ -311,10 +311,9 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
           f"{torch.__version__}  hmoe {meta['hmoe']}  flashinfer {meta['flashinfer'] or 'unavailable: ' + str(fi_why)}"
           + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
     print(f"hmoe variants: {selection};  {opts.dtype}, sm_scale 1/sqrt(Dqk);  timing: {meta['timing']}")
-    print(f"bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s{membw.clock_text(peak)} (the floor's rate)\n"
+    print(f"bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s (the floor's rate)\n"
           "TFLOP/s = 2 x (query, key) pairs the mask keeps x H x (Dqk + Dv) / time; floor = those FLOPs at the matmul "
-          "rate;\nx floor = time / floor; MHz = the SM clock (NVML) over hmoe's timed calls, flushes included;\n"
-          "x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
+          "rate;\nx floor = time / floor; x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
           "check = normwise rel. error vs an fp64 reference (first, middle, last head) and vs flashinfer (all "
           "heads); FAIL over tolerance\n")
     print(format_header(), flush=True)

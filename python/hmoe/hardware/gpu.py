@@ -234,43 +234,10 @@ def _cached_query():
     return _query_nvml(nvml)
 
 
-# NVML's clock-event reason bits (nvmlClocksEventReason*): why the clocks are below their maximum.
-CLOCK_REASONS = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap", 0x8: "hardware slowdown",
-                 0x10: "sync boost", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
-                 0x80: "power brake", 0x100: "display clocks"}
-
-
-@functools.lru_cache(maxsize=None)
-def sm_clock_reader(ordinal: int):
-    """(read, None), read() -> (SM clock in MHz, clock-event reason bits) of the GPU behind CUDA
-    ordinal `ordinal` at the moment of the call (the parent GPU of a MIG device); or (None, why).
-    For benchmarks: the clock a kernel ran at (it moves with power and temperature)."""
-    det = detect()
-    dev = det.by_ordinal(ordinal) if det.ok else None
-    if dev is None or dev.gpu.nvml_index is None:
-        return None, det.reason or f"NVML shows no GPU for CUDA device {ordinal}"
-    nvml, why = _load_nvml()
-    if nvml is None:
-        return None, why
-    try:
-        nvml.nvmlInit()
-        h = nvml.nvmlDeviceGetHandleByIndex(dev.gpu.nvml_index)
-        reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                   or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
-
-        def read():
-            return int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)), int(reasons(h)) if reasons else 0
-        read()
-    except Exception as e:  # noqa: BLE001 - any NVML failure is a reason, never an exception
-        return None, f"NVML cannot read the SM clock ({_err(e)})"
-    return read, None
-
-
 def refresh() -> None:
     """Forget the cached NVML answer (tests, or after a driver change)."""
     global _cached_query_primed
     _cached_query.cache_clear()
-    sm_clock_reader.cache_clear()
     _cached_query_primed = None
 
 
