@@ -9,6 +9,7 @@
 //          2  P V's wgmma, A (P) from shared memory, B (V) N-major: m64n256k16, 4 a group
 //          3  one 32-token tile of the kernel per warpgroup: S as the kernel issues it (24 k-steps
 //             with A from shared memory, 12 from registers), then P V of two tiles (4 m64n256k16)
+//          4  the same with every third k-step of S from registers instead of the last twelve
 //   build: nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icuda tools/wgmma_peak/wgmma_peak.cu \
 //            -o /tmp/wgmma_peak
 //   run:   /tmp/wgmma_peak [ITERS]
@@ -63,17 +64,17 @@ __global__ void __launch_bounds__(256, 1) peak(const uint4* init, int iters, lon
     const uint32_t buf = smem + kKv + ((it + wg) % 4) * 36864;
     const uint64_t k_desc = k_major(buf);
     wgmma_fence();
-    if (MODE == 0 || MODE == 1 || MODE == 3) {
+    if (MODE != 2) {
 #pragma unroll
       for (int step = 0; step < 36; ++step) {
         const uint64_t kd = desc_add(k_desc, (step / 4) * 4096 + (step % 4) * 32);
-        if (MODE == 1 || (MODE == 3 && step >= 24))
+        if (MODE == 1 || (MODE == 3 && step >= 24) || (MODE == 4 && step % 3 == 2))
           wgmma<WgmmaRs64x32<0>, T>(s, qa[step % 12], kd, 1);
         else
           wgmma<Wgmma64x32<0>, T>(s, desc_add(q_desc, (step / 4) * 8192 + (step % 4) * 32), kd, 1);
       }
     }
-    if (MODE == 2 || MODE == 3) {
+    if (MODE >= 2) {
       const uint64_t p_desc = k_major64(buf + 8 * 4096), v_desc = n_major(buf + 4 * wg * 4096, 4096);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -123,7 +124,8 @@ void run(int sms, int iters, const uint4* init, long long* d_cycles, float* sink
   }
   const double flop_cta = 2.0 * iters * flops_per_group(MODE);
   const char* what[] = {"S, A and B from smem (m64n32k16)", "S, A from registers (m64n32k16)",
-                        "P V, B N-major (m64n256k16)", "the seesaw's tile: S 24 smem + 12 reg, P V x2"};
+                        "P V, B N-major (m64n256k16)", "the seesaw's tile: S 24 smem + 12 reg, P V x2",
+                        "the same, every third k-step of S from registers"};
   std::printf("mode %d  %-46s %6.0f FLOP/cycle/SM (%5.1f%% of 4096)  %7.1f TFLOP/s  clock %4.0f MHz\n", MODE,
               what[MODE], flop_cta / cyc, 100.0 * flop_cta / cyc / 4096, flop_cta * sms / (ms * 1e9), cyc / (ms * 1e3));
 }
@@ -150,5 +152,6 @@ int main(int argc, char** argv) {
   run<1>(sms, iters, init, cycles, sink);
   run<2>(sms, iters, init, cycles, sink);
   run<3>(sms, iters, init, cycles, sink);
+  run<4>(sms, iters, init, cycles, sink);
   return 0;
 }
