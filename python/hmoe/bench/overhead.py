@@ -164,14 +164,14 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
 
         nxt_e = layers(qs, os_)
 
-        def entry(with_out=False):
+        def entry(use_out=False):
             (qn, qp), o = nxt_e()
-            return mod.mla_decode(qn, qp, ckv, kpe, pt, lens, 0.07, o if with_out else None, False, cfg, tma)
+            return mod.mla_decode(qn, qp, ckv, kpe, pt, lens, 0.07, o if use_out else None, False, cfg, tma)
 
         def checks():
             return mod.mla_decode_check(q_nope, q_pe, ckv, kpe, pt, lens, 0.07, None)
     except Exception as e:  # noqa: BLE001 - the rows report the failure
-        def entry(with_out=False, e=e):
+        def entry(use_out=False, e=e):
             raise e
         checks = entry
     out += [("mla_decode: module entry", device, shape + ", no Python wrapper", entry, sync, None),
