@@ -395,29 +395,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   named_sync(kBarEnd, kConsumerThreads);
   grid_dependents_may_launch();
   // Normalised rows: the output (q's dtype) goes through the ring (idle now: every tile is consumed,
-  // every wgmma done) and leaves in 16-byte rows (attention/row_stage.cuh): stored straight from the
-  // accumulator layout, a warp instruction writes 8 rows x 16 bytes, half sectors. A split's fp32
-  // partial is stored directly: 8 rows x 32 bytes, whole sectors (staging it was slower: see
+  // every wgmma done) and leaves in 16-byte rows (attention/row_stage.cuh), stored there from the
+  // accumulator layout by stmatrix: 8 x 8 pieces (h, j), lane l giving row l % 8 of piece l / 8 of
+  // each group of four, (0, 2x), (1, 2x), (0, 2x + 1), (1, 2x + 1), as P's. A split's fp32 partial
+  // is stored directly: 8 rows x 32 bytes, whole sectors (staging it was slower: see
   // docs/perf/mla_decode.md).
   const bool partial = p.num_splits > 1;
   const uint32_t stage = smem + Smem::kv;
+  float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h, head = head0 + row;
     const float l = lsum[row] + lsum[kHeads + row];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
     const int64_t bh = int64_t(b) * p.heads + min(head, p.heads - 1);
-    const int col0 = 256 * c + 2 * q4;
-    if (!partial) {
+    if (partial && head < p.heads) {
+      float* out = p.partial_o + (int64_t(split) * p.batch * p.heads + bh) * kMlaDimCkv + 256 * c + 2 * q4;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        attn::stage_pair<T>(stage, kMlaDimCkv * int(sizeof(T)), row, col0 + 8 * j, o[4 * j + 2 * h] * inv,
-                            o[4 * j + 2 * h + 1] * inv);
-    } else if (head < p.heads) {
-      float* out = p.partial_o + (int64_t(split) * p.batch * p.heads + bh) * kMlaDimCkv + col0;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        *reinterpret_cast<float2*>(out + 8 * j) =
+            make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
     }
     if (c == 0 && q4 == 0 && head < p.heads) {
       const float lse2 = attn::lse2(t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY, l);
@@ -425,6 +422,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         p.partial_lse[int64_t(split) * p.batch * p.heads + bh] = lse2;
       else if (p.lse != nullptr)
         p.lse[bh] = lse2 * kLn2;
+    }
+  }
+  if (!partial) {
+    const int piece = lane / 8, row = (tid / 32) * 16 + 8 * (piece % 2) + lane % 8;
+#pragma unroll
+    for (int x = 0; x < 16; ++x) {
+      const float* f = o + 8 * x;  // (h 0, j 2x), (1, 2x), (0, 2x + 1), (1, 2x + 1): two values each
+      stmatrix_x4(attn::stage_addr(stage, kMlaDimCkv * int(sizeof(T)), row, 2 * (256 * c + 8 * (2 * x + piece / 2))),
+                  pack2<T>(f[0] * inv[0], f[1] * inv[0]), pack2<T>(f[2] * inv[1], f[3] * inv[1]),
+                  pack2<T>(f[4] * inv[0], f[5] * inv[0]), pack2<T>(f[6] * inv[1], f[7] * inv[1]));
     }
   }
   if (!partial) {
