@@ -413,8 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float* out = p.partial_o + (int64_t(split) * p.batch * p.heads + bh) * kMlaDimCkv + 256 * c + 2 * q4;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(out + 8 * j) =
-            make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+        *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
     }
     if (c == 0 && q4 == 0 && head < p.heads) {
       const float lse2 = attn::lse2(t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY, l);
