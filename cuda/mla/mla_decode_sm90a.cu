@@ -432,8 +432,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                   pack2<T>(f[0] * inv[0], f[1] * inv[0]), pack2<T>(f[2] * inv[1], f[3] * inv[1]),
                   pack2<T>(f[4] * inv[0], f[5] * inv[0]), pack2<T>(f[6] * inv[1], f[7] * inv[1]));
     }
-  }
-  if (!partial) {
     named_sync(kBarEnd, kConsumerThreads);
     attn::copy_out(stage, kMlaDimCkv * int(sizeof(T)), min(kHeads, p.heads - head0),
                    static_cast<T*>(p.out) + (int64_t(b) * p.heads + head0) * kMlaDimCkv, threadIdx.x - 128,
