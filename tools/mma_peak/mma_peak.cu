@@ -28,6 +28,7 @@ constexpr int kQRow = 384, kSmem = 16 * 32 * kQRow + 64 * kQRow;  // 16 warps' Q
 
 template <int WARPS, int ACC, bool S_TILE>
 __global__ void __launch_bounds__(32 * WARPS, 1) peak(int iters, long long* cycles, float* sink) {
+  static_assert(!S_TILE || ACC == 16, "S of 32 x 64 keys: 16 accumulators");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ unsigned long long first_start, last_end;
   const uint32_t smem = smem_addr(smem_raw);
@@ -49,7 +50,6 @@ __global__ void __launch_bounds__(32 * WARPS, 1) peak(int iters, long long* cycl
   const long long t0 = clock64();
   for (int it = 0; it < iters; ++it) {
     if constexpr (S_TILE) {
-      static_assert(!S_TILE || ACC == 16, "S of 32 x 64 keys: 16 accumulators");
 #pragma unroll
       for (int ks = 0; ks < 12; ++ks) {
         const uint32_t col_q = ((ks >> 2) << 7) + ((((ks & 3) << 1) ^ xq) << 4);
