@@ -114,7 +114,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   HMOE_DEF(m, mla_decode_plan, {
     const hmoe::MlaDecodePlan p = hb::mla_decode_cached_plan(device, batch, heads, max_pages, page_size, config,
                                                              hb::bool_arg(allow_tma, "allow_tma"));
-    return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes);
+    return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes, p.cluster);
   });
   HMOE_DEF(m, mla_decode_declines, {
     const char* why = hmoe::mla_decode_declines(heads, page_size);

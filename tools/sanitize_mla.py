@@ -1,6 +1,6 @@
 """A few hmoe.ops.mla_decode calls of one variant, small enough to run under compute-sanitizer:
-partial last tiles, lengths 0, 1 and page boundaries, several tiles, KV splits, page sizes 16 and 64,
-bf16 and fp16, lse. Every output is checked for NaN/inf (a sanitizer run checks the memory accesses;
+partial last tiles, lengths 0, 1 and page boundaries, several tiles, KV splits (and on sm90a a batch
+whose two splits merge in the kernel, a cluster of two CTAs), page sizes 16 and 64, bf16 and fp16, lse. Every output is checked for NaN/inf (a sanitizer run checks the memory accesses;
 tests/ops/test_mla_decode.py checks the values).
 
     compute-sanitizer --tool racecheck python3 tools/sanitize_mla.py sm90a
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from hmoe.ops import mla_decode
+from hmoe.ops import mla, mla_decode
 
 # (batch, heads, sequence lengths, page size)
 CASES = ((2, 128, [1, 200], 64), (1, 64, [4100], 64), (3, 128, [0, 64, 130], 16), (2, 16, [33, 2047], 32))
@@ -21,8 +21,10 @@ CASES = ((2, 128, [1, 200], 64), (1, 64, [4100], 64), (3, 128, [0, 64, 130], 16)
 def main(variant: str) -> int:
     torch.manual_seed(0)
     bad = 0
+    pair = torch.cuda.get_device_properties(0).multi_processor_count // 4  # 128 heads: two splits
+    cases = CASES + ((pair, 128, [[0, 1, 40, 300, 1000][i % 5] for i in range(pair)], 64),)
     for dtype in (torch.bfloat16, torch.float16):
-        for B, H, lens, page in CASES:
+        for B, H, lens, page in cases:
             max_pages = (max(lens) + page - 1) // page + 1
             pages = B * max_pages + 2
             ckv = torch.randn(pages, page, 512, device="cuda", dtype=dtype)
@@ -40,7 +42,8 @@ def main(variant: str) -> int:
             torch.cuda.synchronize()
             finite = bool(torch.isfinite(out).all())
             bad += not finite
-            print(f"{variant} {dtype} B={B} H={H} lens={lens} page={page}: {'ok' if finite else 'NOT FINITE'}")
+            plan = mla.plan(0, B, H, max_pages, page, variant=variant).describe()
+            print(f"{variant} {dtype} B={B} H={H} lens={lens} page={page} ({plan}): {'ok' if finite else 'NOT FINITE'}")
     return 1 if bad else 0
 
 

@@ -1,6 +1,6 @@
-// The Hopper (sm_90 and newer) mbarrier, TMA and proxy-fence primitives of hmoe's attention
-// kernels: the sm90a family's warp-specialised kernels and the portable MLA decode kernel's TMA
-// loader (which instantiates them on sm_90+ only).
+// The Hopper (sm_90 and newer) mbarrier, TMA, proxy-fence and thread-block-cluster primitives of
+// hmoe's attention kernels: the sm90a family's warp-specialised kernels and the portable MLA decode
+// kernel's TMA loader (which instantiates them on sm_90+ only).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -44,6 +44,32 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int x
           dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
+}
+
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// The address of the same shared-memory byte in the CTA of rank `rank` of the cluster (for the
+// st.shared::cluster below).
+__device__ __forceinline__ uint32_t cluster_peer(uint32_t addr, uint32_t rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ void st_cluster4(uint32_t addr, float x, float y, float z, float w) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x), "f"(y), "f"(z), "f"(w)
+               : "memory");
+}
+__device__ __forceinline__ void st_cluster2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+// Every thread of the cluster (those that have exited aside) meets here; the shared-memory writes
+// before it, into any CTA of the cluster, are visible to the reads after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
 }  // namespace sm90

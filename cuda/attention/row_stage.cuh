@@ -18,13 +18,15 @@ __device__ __forceinline__ uint32_t stage_addr(uint32_t stage, int row_bytes, in
   return stage + row * row_bytes + ((((byte >> 4) ^ row) & 7) | ((byte >> 4) & ~7)) * 16 + (byte & 15);
 }
 
-// Rows [0, rows) of the stage to dst (row r at dst + r * row_bytes), by threads tid of nthreads;
-// the caller synchronises those threads between their stores into the stage and this.
-__device__ __forceinline__ void copy_out(uint32_t stage, int row_bytes, int rows, void* dst, int tid, int nthreads) {
-  const int chunks = row_bytes / 16;
+// Rows [0, rows) of the stage to dst (row r at dst + r * row_bytes), bytes [first, first + bytes)
+// of each (a multiple of 16; the whole row by default), by threads tid of nthreads; the caller
+// synchronises those threads between their stores into the stage and this.
+__device__ __forceinline__ void copy_out(uint32_t stage, int row_bytes, int rows, void* dst, int tid, int nthreads,
+                                         int first = 0, int bytes = -1) {
+  const int chunks = (bytes < 0 ? row_bytes : bytes) / 16;
   char* out = static_cast<char*>(dst);
   for (int k = tid; k < rows * chunks; k += nthreads) {
-    const int row = k / chunks, byte = (k % chunks) * 16;
+    const int row = k / chunks, byte = first + (k % chunks) * 16;
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)

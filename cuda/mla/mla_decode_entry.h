@@ -228,7 +228,7 @@ inline py::object mla_decode_entry(py::handle q_nope, py::handle q_pe, py::handl
                                                       bool_arg(allow_tma, "allow_tma"));
     p.num_splits = plan.num_splits;
     void* stream = current_stream(device);
-    if (plan.num_splits == 1) {
+    if (plan.num_splits == 1 || plan.cluster > 1) {  // no partials
       py::gil_scoped_release nogil;
       mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
     } else {  // [splits, B, H, 512] then [splits, B, H], fp32

@@ -480,6 +480,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   const int slots = sms * std::max(1, smem_sm / (plan.smem_bytes + 1024));  // CTAs resident at once
   const int max_tiles = int((int64_t(max_pages) * page_size + kTile - 1) / kTile);
   plan.num_splits = mla_num_splits(slots, ctas, max_tiles);
+  plan.cluster = 1;  // the combine pass merges the splits
   return plan;
 }
 
@@ -511,8 +512,8 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
   // The plan came from mla_decode_plan for this shape; these keep a stale or foreign one from
   // launching a kernel whose loader the page size (or the device) cannot serve.
-  if (plan.config < 0 || plan.config >= kNumConfigs || plan.num_splits != p.num_splits || p.num_splits < 1 ||
-      p.num_splits > kMlaMaxSplits || plan.loader < kLoadRows || plan.loader > kLoadTma ||
+  if (plan.config < 0 || plan.config >= kNumConfigs || plan.cluster != 1 || plan.num_splits != p.num_splits ||
+      p.num_splits < 1 || p.num_splits > kMlaMaxSplits || plan.loader < kLoadRows || plan.loader > kLoadTma ||
       (plan.loader != kLoadRows && p.page_size % kTile != 0) ||
       (plan.loader == kLoadTma && kConfigs[plan.config][0] != 2))
     throw std::invalid_argument("mla_decode: the plan does not fit this call (compute it with mla_decode_plan)");

@@ -85,7 +85,12 @@ struct Smem {
   static constexpr int end = lsum + 2 * kHeads * 4;
   static constexpr int bytes = end + 1024;
 };
-static_assert(kStages * kTileBytes >= kHeads * kMlaDimCkv * 2, "the epilogue stages a CTA's output rows in the ring");
+// The epilogue, in the ring once every tile is consumed: the CTA's 16-bit output rows (the stage),
+// then, for a pair of splits, the peer's O half (128 threads x 128 floats) and its rows' (max, sum).
+template <typename T>
+constexpr int kRowBytes = kMlaDimCkv * int(sizeof(T));
+constexpr int kStageBytes = kHeads * kMlaDimCkv * 2;
+static_assert(kStageBytes + 128 * 128 * 4 + kHeads * 8 <= kStages * kTileBytes, "the epilogue's buffers fit the ring");
 // Named barriers (0 is __syncthreads): the consumers' end, each consumer alone (2 + c), P of a ring
 // stage (kBarP + stage: its owner arrives, the other consumer waits).
 constexpr int kBarEnd = 1, kBarOwn = 2, kBarP = 4;
@@ -341,9 +346,11 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
-    mla_decode_sm90a_kernel(const MlaDecodeParams p, const int box, const __grid_constant__ Maps maps) {
+// One CTA of the kernel; kPair: the grid's two KV splits of a (request, head group) are a cluster
+// of two CTAs and merge here (see the epilogue), else a split's fp32 partial goes to the combine
+// pass.
+template <typename T, bool kPair>
+__device__ __forceinline__ void decode_cta(const MlaDecodeParams& p, const int box, const Maps& maps) {
   extern __shared__ __align__(1024) unsigned char smem_window[];
   const uint32_t window = attn::smem_addr(smem_window);
   const uint32_t smem = (window + 1023) & ~1023u;
@@ -372,6 +379,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {  // producer: the fewest registers, so that the consumers get 240
     regs_shrink<24>();
     if (threadIdx.x == 0) produce(p, maps, smem, box, b, head0, len, t0, t1);
+    if constexpr (kPair) {  // the epilogue's two cluster barriers
+      cluster_sync();
+      cluster_sync();
+    }
     return;
   }
   regs_grow<240>();
@@ -394,20 +405,67 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (q4 == 0) lsum[c * kHeads + r0] = l_run[0], lsum[c * kHeads + r0 + 8] = l_run[1];
   named_sync(kBarEnd, kConsumerThreads);
   grid_dependents_may_launch();
+  float m_fin[2], l_fin[2];  // the rows' max and sum (an empty split: -inf, 0)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + 8 * h;
+    l_fin[h] = lsum[row] + lsum[kHeads + row];
+    m_fin[h] = t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY;
+  }
+  // A pair of splits: CTA `rank` writes the output columns of its consumer c = rank (O's columns
+  // 256 rank .. + 256). Its other consumer sends its O (fp32, unnormalised) and its rows' max and
+  // sum into the ring of the peer CTA, where the consumer with the same c (the same rows and
+  // columns in the same registers) weighs the two halves by their maxima, as the combine pass does.
+  const int rank = kPair ? int(cluster_rank()) : 0;
+  const bool writes = !kPair || c == rank;  // this consumer's columns are this CTA's output
+  if constexpr (kPair) {
+    const uint32_t xo = smem + Smem::kv + kStageBytes, xml = xo + 128 * 128 * 4;
+    cluster_sync();  // both CTAs are past their tile loops: their rings are free
+    if (!writes) {
+      const uint32_t po = cluster_peer(xo, rank ^ 1), pml = cluster_peer(xml, rank ^ 1);
+#pragma unroll
+      for (int k = 0; k < 32; ++k)
+        st_cluster4(po + (k * 128 + tid) * 16, o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
+      if (q4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) st_cluster2(pml + (r0 + 8 * h) * 8, m_fin[h], l_fin[h]);
+      }
+    }
+    cluster_sync();  // the peer's half is here
+    if (writes) {
+      float a[2], w[2];  // this split's and the peer's weights
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mp, lp;
+        ld_shared2(xml + (r0 + 8 * h) * 8, mp, lp);
+        const float m = fmaxf(m_fin[h], mp);
+        a[h] = attn::rescale(m_fin[h], m), w[h] = attn::rescale(mp, m);
+        m_fin[h] = m, l_fin[h] = a[h] * l_fin[h] + w[h] * lp;
+      }
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        float4 v;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                     : "r"(xo + (k * 128 + tid) * 16));
+        o[4 * k] = a[0] * o[4 * k] + w[0] * v.x, o[4 * k + 1] = a[0] * o[4 * k + 1] + w[0] * v.y;
+        o[4 * k + 2] = a[1] * o[4 * k + 2] + w[1] * v.z, o[4 * k + 3] = a[1] * o[4 * k + 3] + w[1] * v.w;
+      }
+    }
+  }
   // Normalised rows: the output (q's dtype) goes through the ring (idle now: every tile is consumed,
   // every wgmma done) and leaves in 16-byte rows (attention/row_stage.cuh), stored there from the
   // accumulator layout by stmatrix: 8 x 8 pieces (h, j), lane l giving row l % 8 of piece l / 8 of
   // each group of four, (0, 2x), (1, 2x), (0, 2x + 1), (1, 2x + 1), as P's. A split's fp32 partial
   // is stored directly: 8 rows x 32 bytes, whole sectors (staging it was slower: see
   // docs/perf/mla_decode.md).
-  const bool partial = p.num_splits > 1;
+  const bool partial = !kPair && p.num_splits > 1;
   const uint32_t stage = smem + Smem::kv;
   float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h, head = head0 + row;
-    const float l = lsum[row] + lsum[kHeads + row];
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
+    inv[h] = l_fin[h] > 0.f ? 1.f / l_fin[h] : 0.f;
     const int64_t bh = int64_t(b) * p.heads + min(head, p.heads - 1);
     if (partial && head < p.heads) {
       float* out = p.partial_o + (int64_t(split) * p.batch * p.heads + bh) * kMlaDimCkv + 256 * c + 2 * q4;
@@ -415,8 +473,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j = 0; j < 32; ++j)
         *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
     }
-    if (c == 0 && q4 == 0 && head < p.heads) {
-      const float lse2 = attn::lse2(t1 > t0 ? rows[(((t1 - t0 - 1) % kStages) * kHeads + row) * 2 + 1] : -INFINITY, l);
+    if (c == rank && q4 == 0 && head < p.heads) {
+      const float lse2 = attn::lse2(m_fin[h], l_fin[h]);
       if (partial)
         p.partial_lse[int64_t(split) * p.batch * p.heads + bh] = lse2;
       else if (p.lse != nullptr)
@@ -424,29 +482,45 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if (!partial) {
-    const int piece = lane / 8, row = (tid / 32) * 16 + 8 * (piece % 2) + lane % 8;
+    if (writes) {
+      const int piece = lane / 8, row = (tid / 32) * 16 + 8 * (piece % 2) + lane % 8;
 #pragma unroll
-    for (int x = 0; x < 16; ++x) {
-      const float* f = o + 8 * x;  // (h 0, j 2x), (1, 2x), (0, 2x + 1), (1, 2x + 1): two values each
-      stmatrix_x4(attn::stage_addr(stage, kMlaDimCkv * int(sizeof(T)), row, 2 * (256 * c + 8 * (2 * x + piece / 2))),
-                  pack2<T>(f[0] * inv[0], f[1] * inv[0]), pack2<T>(f[2] * inv[1], f[3] * inv[1]),
-                  pack2<T>(f[4] * inv[0], f[5] * inv[0]), pack2<T>(f[6] * inv[1], f[7] * inv[1]));
+      for (int x = 0; x < 16; ++x) {
+        const float* f = o + 8 * x;  // (h 0, j 2x), (1, 2x), (0, 2x + 1), (1, 2x + 1): two values each
+        stmatrix_x4(attn::stage_addr(stage, kRowBytes<T>, row, 2 * (256 * c + 8 * (2 * x + piece / 2))),
+                    pack2<T>(f[0] * inv[0], f[1] * inv[0]), pack2<T>(f[2] * inv[1], f[3] * inv[1]),
+                    pack2<T>(f[4] * inv[0], f[5] * inv[0]), pack2<T>(f[6] * inv[1], f[7] * inv[1]));
+      }
     }
     named_sync(kBarEnd, kConsumerThreads);
-    attn::copy_out(stage, kMlaDimCkv * int(sizeof(T)), min(kHeads, p.heads - head0),
+    attn::copy_out(stage, kRowBytes<T>, min(kHeads, p.heads - head0),
                    static_cast<T*>(p.out) + (int64_t(b) * p.heads + head0) * kMlaDimCkv, threadIdx.x - 128,
-                   kConsumerThreads);
+                   kConsumerThreads, kPair ? rank * kRowBytes<T> / 2 : 0, kPair ? kRowBytes<T> / 2 : kRowBytes<T>);
   }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_decode_sm90a_kernel(const MlaDecodeParams p, const int box, const __grid_constant__ Maps maps) {
+  decode_cta<T, false>(p, box, maps);
+}
+
+// Two KV splits, merged in the kernel: the grid's x dimension (the splits) in clusters of two.
+template <typename T>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
+    mla_decode_sm90a_pair_kernel(const MlaDecodeParams p, const int box, const __grid_constant__ Maps maps) {
+  decode_cta<T, true>(p, box, maps);
 }
 
 void check(cudaError_t e, const char* what) { check_cuda(e, "mla_decode (sm90a)", what); }
 
+// The kernel for a dtype, and for a plan's cluster (1, or 2: a pair of splits merged in the kernel).
 template <typename F>
-void with_kernel(int dtype, F&& f) {
-  if (dtype == kBF16)
-    f(mla_decode_sm90a_kernel<__nv_bfloat16>);
+void with_kernel(int dtype, int cluster, F&& f) {
+  if (cluster == 2)
+    f(dtype == kBF16 ? mla_decode_sm90a_pair_kernel<__nv_bfloat16> : mla_decode_sm90a_pair_kernel<__half>);
   else
-    f(mla_decode_sm90a_kernel<__half>);
+    f(dtype == kBF16 ? mla_decode_sm90a_kernel<__nv_bfloat16> : mla_decode_sm90a_kernel<__half>);
 }
 
 // Rows a TMA box of the cache covers: the largest power of two <= 32 that divides the page size.
@@ -480,6 +554,8 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount, "mla_decode (sm90a)");
   const int ctas = batch * ((heads + kHeads - 1) / kHeads);
   plan.num_splits = mla_num_splits(sms, ctas, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
+  // Two splits merge in the kernel, as a cluster (no partials, no combine pass).
+  plan.cluster = plan.num_splits == 2 ? 2 : 1;
   return plan;
 }
 
@@ -487,9 +563,11 @@ void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");
   if (device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "mla_decode (sm90a)") >= Smem::bytes)
     for (int dtype : {kBF16, kF16})
-      with_kernel(dtype, [](auto kernel) {
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes), "smem attribute");
-      });
+      for (int cluster : {1, 2})
+        with_kernel(dtype, cluster, [](auto kernel) {
+          check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes),
+                "smem attribute");
+        });
   encode_tiled("mla_decode");
   mla_combine_prewarm();
 }
@@ -500,7 +578,8 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
   if (mla_decode_declines(p.heads, p.page_size) != nullptr || plan.config != 0 || plan.loader != kMlaLoadTma ||
-      plan.num_splits != p.num_splits || p.num_splits < 1 || p.num_splits > kMlaMaxSplits)
+      plan.num_splits != p.num_splits || p.num_splits < 1 || p.num_splits > kMlaMaxSplits ||
+      (plan.cluster != 1 && !(plan.cluster == 2 && p.num_splits == 2)))
     throw std::invalid_argument("mla_decode: the plan does not fit this call (compute it with mla_decode_plan)");
   const DeviceGuard guard(device, "mla_decode");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -514,8 +593,9 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
   const dim3 grid(p.num_splits, (p.heads + kHeads - 1) / kHeads, p.batch);
   Launches launches;
   launches.op = "mla_decode (sm90a)";
-  with_kernel(p.dtype, [&](auto kernel) { launches.add(kernel, grid, kThreads, Smem::bytes, false, p, box, maps); });
-  if (p.num_splits > 1) mla_combine(p, true, launches);
+  with_kernel(p.dtype, plan.cluster,
+              [&](auto kernel) { launches.add(kernel, grid, kThreads, Smem::bytes, false, p, box, maps); });
+  if (p.num_splits > 1 && plan.cluster == 1) mla_combine(p, true, launches);
   run_launches(launches, stream, graph);
 }
 

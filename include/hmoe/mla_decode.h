@@ -29,6 +29,8 @@ struct MlaDecodePlan {
   int32_t heads_per_cta;  // what the configuration means, for reports
   int32_t tile_tokens;
   int32_t smem_bytes;
+  int32_t cluster;  // 1, or num_splits: the splits of a request's head group are a thread-block
+                    // cluster and merge in the kernel (no partials, no combine pass)
 };
 
 struct MlaDecodeParams {
@@ -40,8 +42,8 @@ struct MlaDecodeParams {
   const int32_t* seq_lens;    // [B]; clamped to [0, max_pages * page_size] on the device
   void* out;                  // [B, H, 512], dtype
   float* lse;                 // [B, H] natural log, or nullptr
-  float* partial_o;           // [num_splits, B, H, 512] fp32 when num_splits > 1
-  float* partial_lse;         // [num_splits, B, H] (log2 domain) when num_splits > 1
+  float* partial_o;           // [num_splits, B, H, 512] fp32 when num_splits > 1 (and cluster 1)
+  float* partial_lse;         // [num_splits, B, H] (log2 domain) likewise
   int32_t batch, heads, page_size, max_pages, num_pages, num_splits;
   int32_t dtype;  // kBF16 or kF16 (common/dtype.h)
   float sm_scale;

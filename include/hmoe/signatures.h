@@ -65,42 +65,42 @@
 #define HMOE_ARGS_ragged_prefill_plan HMOE_ARGS_prefill_plan
 #define HMOE_ARGS_paged_prefill_plan HMOE_ARGS_prefill_plan
 
-#define HMOE_ENTRY_POINTS(X)                                                                                   \
-  X(cpu_core, cpu_features, cpuid, "(eax, ebx, ecx, edx)", HMOE_ARGS_cpuid)                                    \
-  X(cpu_core, cpu_features, xcr0, "u64", HMOE_ARGS_NONE)                                                       \
-  X(cpu_core, cpu_features, request_amx_permission, "str", HMOE_ARGS_NONE)                                     \
-  X(cpu_core, cpu_features, hwcap, "(u64, u64)", HMOE_ARGS_NONE)                                               \
-  X(cpu_core, validation, check_tensor, "None", HMOE_ARGS_check_tensor)                                        \
-  X(cpu_core, membw, read_bandwidth, "bytes_per_second", HMOE_ARGS_read_bandwidth)                             \
-  X(cpu_core, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                            \
-  X(experts, experts, moe_experts, "out", HMOE_ARGS_moe_experts)                                               \
-  X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                                 \
-  X(experts, experts, host_job_create, "(run_fn, job)", HMOE_ARGS_host_job_create)                             \
-  X(experts, experts, host_job_error, "str", HMOE_ARGS_host_job_error)                                         \
-  X(experts, experts, host_job_times, "list of run times (us)", HMOE_ARGS_host_job_times)                      \
-  X(experts, experts, host_job_free, "None", HMOE_ARGS_host_job_free)                                          \
-  X(experts, experts, host_job_listen, "None", HMOE_ARGS_host_job_listen)                                      \
-  X(experts, experts, host_job_wake, "None", HMOE_ARGS_NONE)                                                   \
-  X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                         \
-  X(experts, experts, pack_quantized, "(w13_packed, w2_packed)", HMOE_ARGS_pack_quantized)                     \
-  X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)     \
-  X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                            \
-  X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                                \
-  X(cuda, mla_decode, mla_decode_check, "None", HMOE_ARGS_mla_decode_check)                                    \
-  X(cuda, mla_decode, mla_decode, "out | (out, lse)", HMOE_ARGS_mla_decode)                                    \
-  X(cuda, mla_decode, mla_decode_plan, "(num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes)", \
-    HMOE_ARGS_mla_decode_plan)                                                                                 \
-  X(cuda, mla_decode, mla_decode_declines, "str", HMOE_ARGS_mla_decode_declines)                               \
-  X(cuda, mla_rope_append, mla_rope_append, "q_pe", HMOE_ARGS_mla_rope_append)                                 \
-  X(cuda, decode_linear, decode_linear, "y", HMOE_ARGS_decode_linear)                                          \
-  X(cuda, rms_norm, rms_norm, "y", HMOE_ARGS_rms_norm)                                                         \
-  X(cuda, ragged_prefill, ragged_prefill_check, "None", HMOE_ARGS_ragged_prefill_check)                        \
-  X(cuda, ragged_prefill, ragged_prefill, "out | (out, lse)", HMOE_ARGS_ragged_prefill)                        \
-  X(cuda, ragged_prefill, ragged_prefill_plan,                                                                 \
-    "(config, tile_q, tile_kv, kv_stages, max_items, smem_bytes, ctas_per_sm, workspace)",                     \
-    HMOE_ARGS_ragged_prefill_plan)                                                                             \
-  X(cuda, paged_prefill, paged_prefill_check, "None", HMOE_ARGS_paged_prefill_check)                           \
-  X(cuda, paged_prefill, paged_prefill, "out | (out, lse)", HMOE_ARGS_paged_prefill)                           \
-  X(cuda, paged_prefill, paged_prefill_plan,                                                                   \
-    "(config, tile_q, tile_kv, kv_stages, max_items, smem_bytes, ctas_per_sm, workspace)",                     \
+#define HMOE_ENTRY_POINTS(X)                                                                                    \
+  X(cpu_core, cpu_features, cpuid, "(eax, ebx, ecx, edx)", HMOE_ARGS_cpuid)                                     \
+  X(cpu_core, cpu_features, xcr0, "u64", HMOE_ARGS_NONE)                                                        \
+  X(cpu_core, cpu_features, request_amx_permission, "str", HMOE_ARGS_NONE)                                      \
+  X(cpu_core, cpu_features, hwcap, "(u64, u64)", HMOE_ARGS_NONE)                                                \
+  X(cpu_core, validation, check_tensor, "None", HMOE_ARGS_check_tensor)                                         \
+  X(cpu_core, membw, read_bandwidth, "bytes_per_second", HMOE_ARGS_read_bandwidth)                              \
+  X(cpu_core, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                             \
+  X(experts, experts, moe_experts, "out", HMOE_ARGS_moe_experts)                                                \
+  X(experts, experts, moe_experts_packed, "out", HMOE_ARGS_moe_experts_packed)                                  \
+  X(experts, experts, host_job_create, "(run_fn, job)", HMOE_ARGS_host_job_create)                              \
+  X(experts, experts, host_job_error, "str", HMOE_ARGS_host_job_error)                                          \
+  X(experts, experts, host_job_times, "list of run times (us)", HMOE_ARGS_host_job_times)                       \
+  X(experts, experts, host_job_free, "None", HMOE_ARGS_host_job_free)                                           \
+  X(experts, experts, host_job_listen, "None", HMOE_ARGS_host_job_listen)                                       \
+  X(experts, experts, host_job_wake, "None", HMOE_ARGS_NONE)                                                    \
+  X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                          \
+  X(experts, experts, pack_quantized, "(w13_packed, w2_packed)", HMOE_ARGS_pack_quantized)                      \
+  X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)      \
+  X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                             \
+  X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                                 \
+  X(cuda, mla_decode, mla_decode_check, "None", HMOE_ARGS_mla_decode_check)                                     \
+  X(cuda, mla_decode, mla_decode, "out | (out, lse)", HMOE_ARGS_mla_decode)                                     \
+  X(cuda, mla_decode, mla_decode_plan,                                                                          \
+    "(num_splits, config, loader, heads_per_cta, tile_tokens, smem_bytes, cluster)", HMOE_ARGS_mla_decode_plan) \
+  X(cuda, mla_decode, mla_decode_declines, "str", HMOE_ARGS_mla_decode_declines)                                \
+  X(cuda, mla_rope_append, mla_rope_append, "q_pe", HMOE_ARGS_mla_rope_append)                                  \
+  X(cuda, decode_linear, decode_linear, "y", HMOE_ARGS_decode_linear)                                           \
+  X(cuda, rms_norm, rms_norm, "y", HMOE_ARGS_rms_norm)                                                          \
+  X(cuda, ragged_prefill, ragged_prefill_check, "None", HMOE_ARGS_ragged_prefill_check)                         \
+  X(cuda, ragged_prefill, ragged_prefill, "out | (out, lse)", HMOE_ARGS_ragged_prefill)                         \
+  X(cuda, ragged_prefill, ragged_prefill_plan,                                                                  \
+    "(config, tile_q, tile_kv, kv_stages, max_items, smem_bytes, ctas_per_sm, workspace)",                      \
+    HMOE_ARGS_ragged_prefill_plan)                                                                              \
+  X(cuda, paged_prefill, paged_prefill_check, "None", HMOE_ARGS_paged_prefill_check)                            \
+  X(cuda, paged_prefill, paged_prefill, "out | (out, lse)", HMOE_ARGS_paged_prefill)                            \
+  X(cuda, paged_prefill, paged_prefill_plan,                                                                    \
+    "(config, tile_q, tile_kv, kv_stages, max_items, smem_bytes, ctas_per_sm, workspace)",                      \
     HMOE_ARGS_paged_prefill_plan)

@@ -99,6 +99,45 @@ def test_long_context_splits(dtype, H, variant):
     assert mla_mod.plan(idx, 2, H, 141, 64, variant=v)[0] > 1
 
 
+def pair_batch(idx, H):
+    """A batch whose sm90a plan splits the KV in two (as many CTAs as fill a third to a half of the
+    SMs: mla_splits.h), which that family merges in the kernel, the two splits a cluster."""
+    return torch.cuda.get_device_properties(idx).multi_processor_count // (2 * -(-H // 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [100, 128])
+def test_two_splits_merged_in_a_cluster(dtype, H, variant):
+    # Lengths that leave the second split empty (1, 32, 64), end on its first token or inside it,
+    # and 0; 100 heads: rows of the second head group past the last head.
+    idx = torch.cuda.current_device()
+    B = pair_batch(idx, H)
+    lens = [[0, 1, 32, 64, 65, 97, 700, 1999, 2048, 129][i % 10] for i in range(B)]
+    run_and_check(B, H, lens, 64, dtype, seed=H, variant=variant)
+    # captured with pages for 2048 tokens a request, replayed with other lengths
+    args = make_cache(B, H, [2048] * B, 64, dtype, "cuda", gen(H + 1))
+    v = variant_for(variant, args)
+    plan = mla_mod.plan(idx, B, H, args[4].shape[1], 64, variant=v)
+    if variant == "sm90a":
+        assert plan.num_splits == plan.cluster == 2 and "merged in 2-CTA clusters" in plan.describe()
+    else:
+        assert plan.cluster == 1
+    hmoe.prewarm()
+    hmoe.ops.mla_decode(*args, sm_scale=SCALE, variant=v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, variant=v)
+    for new in (lens, [[2048, 31, 0, 1000, 33][i % 5] for i in range(B)]):
+        args[5].copy_(torch.tensor(new, dtype=torch.int32))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = mla_reference(*args, SCALE)
+        nz = torch.tensor(new) > 0
+        assert rel_err(out[nz], ref_o[nz]) < TOL[dtype] and (lse[nz].cpu() - ref_lse[nz]).abs().max() < 2e-2
+        assert (out[~nz] == 0).all() and torch.isneginf(lse[~nz].cpu()).all()
+
+
 @pytest.mark.gpu
 def test_random_cases(variant):
     g = gen(1234)

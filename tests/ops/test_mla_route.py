@@ -38,7 +38,7 @@ def fake_family(monkeypatch, family, rule):
     m.asked = []
     m.mla_decode_declines = lambda heads, page_size: m.asked.append((heads, page_size)) or rule(heads, page_size)
     m.mla_decode_plan = lambda device, batch, heads, max_pages, page_size, config, tma: \
-        (1, {"portable": 3, "sm90a": 7}[family], 0, 16, 64, 1024)
+        (1, {"portable": 3, "sm90a": 7}[family], 0, 16, 64, 1024, 1)
     m.mla_decode = lambda *args: family
 
     def check(q_nope, *args):  # the real check's verdict on a q_nope that is not [B, H, 512]

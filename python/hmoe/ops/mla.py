@@ -39,16 +39,20 @@ _call_env = _env.reader("HMOE_CUDA_VARIANT", "HMOE_CHECK_INDICES", "HMOE_MLA_CON
 
 
 class MlaPlan(collections.namedtuple(
-        "MlaPlan", "num_splits config loader heads_per_cta tile_tokens smem_bytes")):
-    """How mla_decode runs one shape (MlaDecodePlan in include/hmoe/mla_decode.h): KV splits, the
-    tile configuration (heads per CTA, KV tokens per tile, shared memory) and the loader."""
+        "MlaPlan", "num_splits config loader heads_per_cta tile_tokens smem_bytes cluster")):
+    """How mla_decode runs one shape (MlaDecodePlan in include/hmoe/mla_decode.h): KV splits and
+    where they merge (cluster 1: the combine pass; cluster = num_splits: in the kernel, the splits
+    of a head group being one thread-block cluster), the tile configuration (heads per CTA, KV
+    tokens per tile, shared memory) and the loader."""
 
     @property
     def loader_name(self) -> str:
         return LOADERS[self.loader]
 
     def describe(self) -> str:
-        return (f"{self.num_splits} KV split(s), {self.heads_per_cta} heads x {self.tile_tokens} tokens per "
+        merge = ("" if self.num_splits == 1 else f" merged in {self.cluster}-CTA clusters" if self.cluster > 1
+                 else " merged by the combine pass")
+        return (f"{self.num_splits} KV split(s){merge}, {self.heads_per_cta} heads x {self.tile_tokens} tokens per "
                 f"CTA tile (configuration {self.config}, {self.smem_bytes} B shared memory), {self.loader_name} loader")
 
 
