@@ -23,7 +23,9 @@
 // most tiles alpha = 1 and O is not rescaled. Each consumer keeps the row sums of its own tiles'
 // P, rescaled by every tile's factor; the output adds the two. O (64 x 256 fp32 per consumer)
 // stays in registers; at the end the 16-bit output goes through the idle ring to global memory in
-// 16-byte rows (attention/row_stage.cuh).
+// 16-byte rows (attention/row_stage.cuh). KV splits write fp32 partials for the combine pass, but
+// two splits run as a cluster of two CTAs (the pair kernel) and merge here, through distributed
+// shared memory.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -523,6 +525,21 @@ void with_kernel(int dtype, int cluster, F&& f) {
     f(dtype == kBF16 ? mla_decode_sm90a_kernel<__nv_bfloat16> : mla_decode_sm90a_kernel<__half>);
 }
 
+// Whether the device holds `ctas` clusters of the pair kernel at once (a cluster's CTAs share a GPC,
+// so fewer may fit than SMs allow). Then two splits merge in the kernel (no partials, no combine
+// pass); else the combine pass merges them. Clusters of 3 to 8 splits, merged the same way, did
+// not fit one wave where the split rule asks for them (H200: docs/perf/mla_decode.md).
+bool pairs_fit(int device, int ctas) {
+  const DeviceGuard guard(device, "mla_decode");
+  const auto kernel = mla_decode_sm90a_pair_kernel<__nv_bfloat16>;  // the fp16 one's resources are the same
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes), "smem attribute");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(2, 1, unsigned(ctas)), cfg.blockDim = kThreads, cfg.dynamicSmemBytes = Smem::bytes;
+  int fit = 0;
+  check(cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg), "cluster occupancy");
+  return fit >= ctas;
+}
+
 // Rows a TMA box of the cache covers: the largest power of two <= 32 that divides the page size.
 int box_rows(int page_size) { return std::gcd(page_size, kTile); }
 
@@ -554,8 +571,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount, "mla_decode (sm90a)");
   const int ctas = batch * ((heads + kHeads - 1) / kHeads);
   plan.num_splits = mla_num_splits(sms, ctas, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
-  // Two splits merge in the kernel, as a cluster (no partials, no combine pass).
-  plan.cluster = plan.num_splits == 2 ? 2 : 1;
+  plan.cluster = plan.num_splits == 2 && pairs_fit(device, ctas) ? 2 : 1;
   return plan;
 }
 
