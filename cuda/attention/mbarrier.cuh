@@ -35,6 +35,12 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// Fetches the tensor map `map` (a __grid_constant__ CUtensorMap) into the TMA's descriptor cache ahead
+// of its first copy.
+__device__ __forceinline__ void tma_prefetch_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // A 2-d box of the tensor behind `map` (a __grid_constant__ CUtensorMap) at column x, row y into
 // shared memory at `dst`, completing on the mbarrier at `bar`. Rows or columns outside the tensor
 // (negative ones too) arrive as zeros and still count their bytes.

@@ -6,10 +6,11 @@
 // One CTA = (KV split, 64 heads, request) and three warpgroups, walking the cache in 32-token tiles
 // through a ring of four. Shared memory holds the CTA's Q (64 heads x 576 dims) and the ring, as
 // 64-column blocks in the TMA's 128-byte swizzle (attention/wgmma.cuh).
-//   producer    one thread: Q's nine boxes, then each tile's boxes (32 / box rows per block, box =
-//               gcd(page size, 32) rows, so a box never crosses a page; a missing page or tokens
-//               past the sequence are boxes outside the tensor, which arrive as zeros), on the
-//               tile buffer's "full" mbarrier, after its "empty" one says both consumers are done.
+//   producer    one thread: Q's nine boxes (issued before the sequence length is read), then each
+//               tile's boxes (32 / box rows per block, box = gcd(page size, 32) rows, so a box never
+//               crosses a page; a missing page or tokens past the sequence are boxes outside the
+//               tensor, which arrive as zeros), on the tile buffer's "full" mbarrier, after its
+//               "empty" one says both consumers are done.
 //   consumers   a seesaw: consumer c (0, 1) computes S = Q K^T (wgmma m64n32k16, 36 k-steps, fp32;
 //               Q of the last 12 from registers) and the online softmax of the tiles i with
 //               i % 2 == c, writing P (rounded to the input dtype) into the tile's rope block,
@@ -107,16 +108,25 @@ __device__ __forceinline__ void grid_dependents_may_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// The producer: Q, then every tile of the split into the ring.
-__device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& maps, uint32_t smem, int box, int b,
-                                        int head0, int len, int t0, int t1) {
-  const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
-  if (t0 >= t1) return;  // an empty split: the consumers wait for nothing
+// Q's nine boxes, on its mbarrier: issued by thread 0 before anything else, since they need no
+// sequence length (the other copies wait for the length and then the page table).
+__device__ __forceinline__ void load_q(const MlaDecodeParams& p, const Maps& maps, uint32_t smem, uint32_t qbar, int b,
+                                       int head0) {
   mbar_expect_tx(qbar, kBlocks * kQBlockBytes);
   const int qrow = b * p.heads + head0;
   for (int blk = 0; blk < kBlocks; ++blk)
     tma_load_2d(smem + Smem::q + blk * kQBlockBytes, blk < kLatentBlocks ? &maps.q_nope : &maps.q_pe,
                 blk < kLatentBlocks ? 64 * blk : 0, qrow, qbar);
+}
+
+// The producer: every tile of the split into the ring.
+__device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& maps, uint32_t smem, int box, int b,
+                                        int len, int t0, int t1) {
+  const uint32_t full = smem + Smem::bars, empty = full + 8 * kStages, qbar = empty + 8 * kStages;
+  if (t0 >= t1) {  // an empty split: the consumers wait for nothing; Q must land before the CTA ends
+    mbar_wait(qbar, 0);
+    return;
+  }
   const int32_t* table = p.page_table + int64_t(b) * p.max_pages;
   // The cache row of the box at token `tok`, or -box (outside the tensor: zeros).
   auto box_row = [&](int tok) {
@@ -363,11 +373,6 @@ __device__ __forceinline__ void decode_cta(const MlaDecodeParams& p, const int b
   // Warp-uniform, and so said to the compiler (warp_uniform): the tile loop's buffer addresses and
   // wgmma descriptors then stay in uniform registers.
   const int wg = warp_uniform(threadIdx.x / 128);
-  const int len = warp_uniform(min(max(p.seq_lens[b], 0), p.max_pages * p.page_size));
-  const int n_tiles = (len + kTile - 1) / kTile;
-  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-  const int t0 = min(n_tiles, split * per_split), t1 = min(n_tiles, t0 + per_split);
-
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, 1);
@@ -375,12 +380,19 @@ __device__ __forceinline__ void decode_cta(const MlaDecodeParams& p, const int b
     }
     mbar_init(qbar, 1);
     mbar_init_fence();
+    tma_prefetch_map(&maps.ckv);
+    tma_prefetch_map(&maps.kpe);
+    load_q(p, maps, smem, qbar, b, head0);
   }
+  const int len = warp_uniform(min(max(p.seq_lens[b], 0), p.max_pages * p.page_size));
+  const int n_tiles = (len + kTile - 1) / kTile;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int t0 = min(n_tiles, split * per_split), t1 = min(n_tiles, t0 + per_split);
   __syncthreads();
 
   if (wg == 0) {  // producer: the fewest registers, so that the consumers get 240
     regs_shrink<24>();
-    if (threadIdx.x == 0) produce(p, maps, smem, box, b, head0, len, t0, t1);
+    if (threadIdx.x == 0) produce(p, maps, smem, box, b, len, t0, t1);
     if constexpr (kPair) {  // the epilogue's two cluster barriers
       cluster_sync();
       cluster_sync();
