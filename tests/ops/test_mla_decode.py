@@ -107,18 +107,19 @@ def pair_batch(idx, H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", [100, 128])
-def test_two_splits_merged_in_a_cluster(dtype, H, variant):
+@pytest.mark.parametrize("H, page", [(100, 64), (128, 64), (40, 16)])
+def test_two_splits_merged_in_a_cluster(dtype, H, page, variant):
     # Lengths that leave the second split empty (1, 32, 64), end on its first token or inside it,
-    # and 0; 100 heads: rows of the second head group past the last head.
+    # and 0; 100 and 40 heads: rows of the last head group past the last head; page 16: boxes of
+    # 16 rows.
     idx = torch.cuda.current_device()
     B = pair_batch(idx, H)
     lens = [[0, 1, 32, 64, 65, 97, 700, 1999, 2048, 129][i % 10] for i in range(B)]
-    run_and_check(B, H, lens, 64, dtype, seed=H, variant=variant)
+    run_and_check(B, H, lens, page, dtype, seed=H, variant=variant)
     # captured with pages for 2048 tokens a request, replayed with other lengths
-    args = make_cache(B, H, [2048] * B, 64, dtype, "cuda", gen(H + 1))
+    args = make_cache(B, H, [2048] * B, page, dtype, "cuda", gen(H + 1))
     v = variant_for(variant, args)
-    plan = mla_mod.plan(idx, B, H, args[4].shape[1], 64, variant=v)
+    plan = mla_mod.plan(idx, B, H, args[4].shape[1], page, variant=v)
     if variant == "sm90a":
         assert plan.num_splits == plan.cluster == 2 and "merged in 2-CTA clusters" in plan.describe()
     else:
