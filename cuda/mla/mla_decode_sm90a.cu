@@ -92,8 +92,9 @@ struct Smem {
 // then, for a pair of splits, the peer's O half (128 threads x 128 floats) and its rows' (max, sum).
 template <typename T>
 constexpr int kRowBytes = kMlaDimCkv * int(sizeof(T));
-constexpr int kStageBytes = kHeads * kMlaDimCkv * 2;
-static_assert(kStageBytes + 128 * 128 * 4 + kHeads * 8 <= kStages * kTileBytes, "the epilogue's buffers fit the ring");
+constexpr int kStageBytes = kHeads * kRowBytes<__half>;  // the output is 16-bit
+constexpr int kPeerOBytes = 128 * 128 * 4;               // one consumer's O: 128 threads x 128 floats
+static_assert(kStageBytes + kPeerOBytes + kHeads * 8 <= kStages * kTileBytes, "the epilogue's buffers fit the ring");
 // Named barriers (0 is __syncthreads): the consumers' end, each consumer alone (2 + c), P of a ring
 // stage (kBarP + stage: its owner arrives, the other consumer waits).
 constexpr int kBarEnd = 1, kBarOwn = 2, kBarP = 4;
@@ -433,7 +434,7 @@ __device__ __forceinline__ void decode_cta(const MlaDecodeParams& p, const int b
   const int rank = kPair ? int(cluster_rank()) : 0;
   const bool writes = !kPair || c == rank;  // this consumer's columns are this CTA's output
   if constexpr (kPair) {
-    const uint32_t xo = smem + Smem::kv + kStageBytes, xml = xo + 128 * 128 * 4;
+    const uint32_t xo = smem + Smem::kv + kStageBytes, xml = xo + kPeerOBytes;
     cluster_sync();  // both CTAs are past their tile loops: their rings are free
     if (!writes) {
       const uint32_t po = cluster_peer(xo, rank ^ 1), pml = cluster_peer(xml, rank ^ 1);
@@ -537,6 +538,12 @@ void with_kernel(int dtype, int cluster, F&& f) {
     f(dtype == kBF16 ? mla_decode_sm90a_kernel<__nv_bfloat16> : mla_decode_sm90a_kernel<__half>);
 }
 
+// Lets `kernel` take the CTA's shared memory (Smem::bytes, above the default limit).
+template <typename K>
+void allow_smem(K kernel) {
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes), "smem attribute");
+}
+
 // Whether the device holds `ctas` clusters of the pair kernel at once (a cluster's CTAs share a GPC,
 // so fewer may fit than SMs allow). Then two splits merge in the kernel (no partials, no combine
 // pass); else the combine pass merges them. Clusters of 3 to 8 splits, merged the same way, did
@@ -544,7 +551,7 @@ void with_kernel(int dtype, int cluster, F&& f) {
 bool pairs_fit(int device, int ctas) {
   const DeviceGuard guard(device, "mla_decode");
   const auto kernel = mla_decode_sm90a_pair_kernel<__nv_bfloat16>;  // the fp16 one's resources are the same
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes), "smem attribute");
+  allow_smem(kernel);                                               // the plan may come before the prewarm
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(2, 1, unsigned(ctas)), cfg.blockDim = kThreads, cfg.dynamicSmemBytes = Smem::bytes;
   int fit = 0;
@@ -591,11 +598,7 @@ void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");
   if (device_attribute(device, cudaDevAttrMaxSharedMemoryPerBlockOptin, "mla_decode (sm90a)") >= Smem::bytes)
     for (int dtype : {kBF16, kF16})
-      for (int cluster : {1, 2})
-        with_kernel(dtype, cluster, [](auto kernel) {
-          check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::bytes),
-                "smem attribute");
-        });
+      for (int cluster : {1, 2}) with_kernel(dtype, cluster, [](auto kernel) { allow_smem(kernel); });
   encode_tiled("mla_decode");
   mla_combine_prewarm();
 }
