@@ -1,6 +1,7 @@
 """hmoe.load_experts on checkpoints the tests write: transformers' save_pretrained (per-expert names),
 the fused layout, and DeepSeek-V3's fp8 layout with weight_scale_inv."""
 import json
+import re
 
 import pytest
 import torch
@@ -9,11 +10,11 @@ import hmoe
 from hmoe import quant
 
 safetensors = pytest.importorskip("safetensors.torch", reason="load_experts reads safetensors")
-models = pytest.importorskip("tests.nn.models", reason="needs transformers")
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    models = pytest.importorskip("tests.nn.models", reason="needs transformers")
     m = models.model("v3", torch.bfloat16)
     path = tmp_path_factory.mktemp("ck")
     m.save_pretrained(path)
@@ -123,3 +124,102 @@ def test_errors(saved, tmp_path):
                            for n in ("gate_proj", "up_proj", "down_proj")}, str(f))
     with pytest.raises(ValueError, match=r"experts \[1\] of layer 1 are missing"):
         hmoe.load_experts(str(f), 1)
+
+
+def _per_expert(path, shapes, layer=1, drop=()):
+    """A per-expert checkpoint: expert e's gate/up [I, H] and down [H, I] for (I, H) = shapes[e]."""
+    g = torch.Generator().manual_seed(2)
+    p = f"model.layers.{layer}.mlp.experts."
+    tensors = {f"{p}{e}.{n}.weight": torch.randn(*(s if n != "down_proj" else s[::-1]), generator=g)
+               for e, s in enumerate(shapes) for n in ("gate_proj", "up_proj", "down_proj")}
+    safetensors.save_file({k: v for k, v in tensors.items() if k not in drop}, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("quant_format", [None, "int8", "int4", "fp8"])
+@pytest.mark.parametrize("shape1", [(32, 1), (64, 64)], ids=["H", "I"])
+def test_an_expert_whose_shapes_differ_from_expert_0s_is_refused(tmp_path, quant_format, shape1):
+    # H = 1 used to broadcast one column into w13[1] (silent garbage); another I failed inside copy_
+    _per_expert(tmp_path, [(32, 64), shape1])
+    loaded = None
+    with pytest.raises(ValueError) as err:
+        loaded = hmoe.load_experts(str(tmp_path), 1, quant=quant_format, group_size=32 if quant_format == "int4" else None,
+                                   progress=False)
+    assert loaded is None
+    msg = str(err.value)
+    assert "layer 1, expert 1" in msg and "model.layers.1.mlp.experts.1.gate_proj.weight" in msg
+    assert f"shape {shape1}, expected (32, 64)" in msg
+
+
+def _fused(path, **tensors):
+    safetensors.save_file({f"model.layers.3.mlp.experts.{k}": v for k, v in tensors.items()}, str(path / "m.safetensors"))
+
+
+def test_fused_fp8_is_refused(tmp_path):
+    # Read as plain floats, fp8 values up to 448 stood for weights of about 0.03 (silent garbage)
+    g = torch.Generator().manual_seed(4)
+    gu, down = quant.quantize(torch.randn(4, 16, 8, generator=g) * 0.01, "fp8"), quant.quantize(
+        torch.randn(4, 8, 8, generator=g) * 0.01, "fp8")
+    _fused(tmp_path, gate_up_proj=gu.data, gate_up_proj_scale_inv=gu.scales, down_proj=down.data,
+           down_proj_scale_inv=down.scales)
+    with pytest.raises(TypeError, match="gate_up_proj is a fused float8_e4m3fn stack, which hmoe does not read"):
+        hmoe.load_experts(str(tmp_path), 3, progress=False)
+    _fused(tmp_path, gate_up_proj=gu.dequantize(), down_proj=down.data)  # no scales; fp8 only in down_proj
+    with pytest.raises(TypeError, match="down_proj is a fused float8_e4m3fn stack"):
+        hmoe.load_experts(str(tmp_path), 3, quant="int8", progress=False)
+
+
+def test_fused_dtypes_and_shapes_are_checked(tmp_path):
+    gu, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    _fused(tmp_path, gate_up_proj=gu.to(torch.int8), down_proj=down.to(torch.int8))
+    with pytest.raises(TypeError, match=r"gate_up_proj has dtype torch.int8; expected a float weight"):
+        hmoe.load_experts(str(tmp_path), 3, progress=False)
+    for bad in (down[:2], torch.randn(4, 8, 5), down[0]):  # fewer experts; another I; not a stack
+        _fused(tmp_path, gate_up_proj=gu, down_proj=bad)
+        with pytest.raises(ValueError) as err:
+            hmoe.load_experts(str(tmp_path), 3, progress=False)
+        assert (f"layer 3: model.layers.3.mlp.experts.gate_up_proj (4, 16, 8) and model.layers.3.mlp.experts.down_proj "
+                f"{tuple(bad.shape)} do not fit [E, 2I, H] and [E, H, I]") in str(err.value)
+    _fused(tmp_path, gate_up_proj=gu.bfloat16(), down_proj=down.bfloat16())
+    w13, w2 = hmoe.load_experts(str(tmp_path), 3, quant="int8", progress=False)
+    assert torch.equal(w13.data, quant.quantize(gu.bfloat16(), "int8").data)
+    assert torch.equal(w2.scales, quant.quantize(down.bfloat16(), "int8").scales)
+
+
+@pytest.mark.parametrize("present", ["gate_up_proj", "down_proj"])
+def test_a_missing_fused_tensor_is_named(tmp_path, present):
+    _fused(tmp_path, **{present: torch.randn(4, 16, 8)})
+    missing = "down_proj" if present == "gate_up_proj" else "gate_up_proj"
+    with pytest.raises(ValueError, match=re.escape(f"layer 3: model.layers.3.mlp.experts.{missing} is missing from "
+                                                   f"'{tmp_path}'")):
+        hmoe.load_experts(str(tmp_path), 3, progress=False)
+
+
+def test_a_missing_per_expert_tensor_is_named(tmp_path):
+    _per_expert(tmp_path, [(8, 16)] * 2, drop={"model.layers.1.mlp.experts.1.up_proj.weight"})
+    with pytest.raises(ValueError, match=re.escape(f"layer 1: model.layers.1.mlp.experts.1.up_proj.weight is missing "
+                                                   f"from '{tmp_path}'")):
+        hmoe.load_experts(str(tmp_path), 1, progress=False)
+
+
+@pytest.mark.parametrize("text, what", [('{"weight_map": {', "is not valid JSON"),
+                                        ("[]", 'has no "weight_map"'),
+                                        ('{"weight_map": {"a": 1}}', 'has no "weight_map"')])
+def test_a_corrupt_index_is_named(tmp_path, text, what):
+    _per_expert(tmp_path, [(8, 16)])
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"load_experts: {index} {what}")):
+        hmoe.load_experts(str(tmp_path), 1, progress=False)
+
+
+def test_scales_beside_a_weight_that_is_not_fp8_are_refused(tmp_path):
+    # weight_scale_inv means something only for float8_e4m3fn weights; beside a bf16 weight it was ignored
+    p = "model.layers.1.mlp.experts.0."
+    g = torch.Generator().manual_seed(6)
+    tensors = {f"{p}{n}.weight": torch.randn(*s, generator=g).bfloat16()
+               for n, s in (("gate_proj", (8, 16)), ("up_proj", (8, 16)), ("down_proj", (16, 8)))}
+    tensors[f"{p}up_proj.weight_scale_inv"] = torch.ones(1, 1)
+    safetensors.save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(f"{p}up_proj.weight has dtype torch.bfloat16 but "
+                                                   f"{p}up_proj.weight_scale_inv beside it")):
+        hmoe.load_experts(str(tmp_path), 1, progress=False)

@@ -4,10 +4,14 @@ Layouts read (for layer N, prefix "model.layers.N.mlp.experts." unless `prefix` 
   * per expert, as DeepSeek-V2/V3 and transformers' save_pretrained write them:
     "{e}.gate_proj.weight" [I, H], "{e}.up_proj.weight" [I, H], "{e}.down_proj.weight" [H, I], with
     "{e}.*.weight_scale_inv" [ceil(rows/128), ceil(cols/128)] beside float8_e4m3fn weights (DeepSeek-V3/R1);
-  * fused, as transformers 5 holds them in memory: "gate_up_proj" [E, 2I, H] and "down_proj" [E, H, I].
+  * fused, as transformers 5 holds them in memory: "gate_up_proj" [E, 2I, H] and "down_proj" [E, H, I],
+    in a float dtype. Fused float8_e4m3fn is refused: DeepSeek's fp8 checkpoints are per expert, and the
+    "*_scale_inv" written beside fused fp8 stacks comes in several layouts (per 128x128 block of [2I, H],
+    per projection, per tensor) that the shapes alone cannot always tell apart.
 Tensors are read one expert at a time from the shard that holds them (model.safetensors.index.json
 when present), converted or quantised, and written into the result, so no more than one expert is
-held unconverted at a time.
+held unconverted at a time. Every expert must have expert 0's shapes; a missing tensor, a corrupt
+index or tensors that do not fit each other are errors that name the tensor and the checkpoint.
 """
 from __future__ import annotations
 
@@ -26,8 +30,14 @@ def _shards(path: str) -> dict:
     elif os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
+            try:
+                with open(index, encoding="utf-8") as f:
+                    contents = json.load(f)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"load_experts: {index} is not valid JSON: {e}") from None
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"load_experts: {index} has no \"weight_map\" of tensor name -> shard file")
             return {k: os.path.join(path, v) for k, v in weight_map.items()}
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     else:
@@ -42,34 +52,54 @@ def _shards(path: str) -> dict:
 
 
 class _Reader:
-    """Reads tensors by name, keeping the shard that served the last one open."""
+    """Reads tensors by name, keeping the shard that served the last one open; `path` and `layer` are for
+    the messages."""
 
-    def __init__(self, names: dict):
-        self.names, self._file, self._handle = names, None, None
+    def __init__(self, names: dict, path: str, layer: int):
+        self.names, self.path, self.layer, self._file, self._handle = names, path, layer, None, None
 
-    def get(self, name: str):
+    def _open(self, name: str):
         from safetensors import safe_open
 
+        if name not in self.names:
+            raise ValueError(f"load_experts: layer {self.layer}: {name} is missing from {self.path!r}")
         f = self.names[name]
         if f != self._file:
             self._handle, self._file = safe_open(f, "pt"), f
-        return self._handle.get_tensor(name)
+        return self._handle
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._open(name).get_slice(name).get_shape())
+
+    def get(self, name: str, expert: int | None = None):
+        """The tensor, or only its matrix `expert` when it is a fused [E, ...] stack."""
+        h = self._open(name)
+        return h.get_tensor(name) if expert is None else h.get_slice(name)[expert:expert + 1][0]
 
 
-def _weight(reader, name: str, block):
-    """A weight as fp32, its fp8 scales applied when the checkpoint has them."""
+def _weight(reader, name: str, block, expert: int | None = None):
+    """A weight as fp32, its fp8 scales applied when the checkpoint has them; `expert`: one matrix of a
+    fused stack, which must be a float (see the module docstring)."""
     import torch
 
     from . import quant
 
-    w = reader.get(name)
+    w = reader.get(name, expert)
+    scale = name.removesuffix(".weight") + ".weight_scale_inv"
     if w.dtype == torch.float8_e4m3fn:
-        scale = name.removesuffix(".weight") + ".weight_scale_inv"
+        if expert is not None:
+            raise TypeError(f"load_experts: {name} is a fused float8_e4m3fn stack, which hmoe does not read: "
+                            "its scales' layout is not fixed; use per-expert tensors with weight_scale_inv "
+                            "(DeepSeek-V3's layout) or a float dtype")
         if scale not in reader.names:
             raise ValueError(f"load_experts: {name} is float8_e4m3fn but {scale} is missing")
         return quant.dequantize(quant.from_fp8(w, reader.get(scale), block))
     if not w.is_floating_point():
-        raise TypeError(f"load_experts: {name} has dtype {w.dtype}; expected a float or float8_e4m3fn weight")
+        want = "a float" if expert is not None else "a float or float8_e4m3fn"
+        raise TypeError(f"load_experts: {name} has dtype {w.dtype}; expected {want} weight")
+    if scale in reader.names:  # scales beside another dtype: what they mean is not known, so not guessed
+        raise ValueError(f"load_experts: {name} has dtype {w.dtype} but {scale} beside it; hmoe applies "
+                         "weight_scale_inv to float8_e4m3fn weights only")
     return w.float()
 
 
@@ -95,30 +125,39 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
     except ImportError as e:
         raise ImportError(f"load_experts needs the safetensors package: {e}") from None
     pre = prefix if prefix is not None else f"model.layers.{layer}.mlp.experts."
-    reader = _Reader(names)
+    reader = _Reader(names, path, layer)
     ids = sorted({int(m.group(1)) for k in names if (m := re.match(re.escape(pre) + r"(\d+)\.", k))})
-    fused = pre + "gate_up_proj" in names
+    gu_name, down_name = pre + "gate_up_proj", pre + "down_proj"
+    fused = gu_name in names or down_name in names
     if not ids and not fused:
         near = sorted({k.split(".mlp.")[0] for k in names if ".mlp." in k})[:5]
         raise KeyError(f"load_experts: no routed experts under {pre!r} in {path!r} (MoE layers seen: "
                        f"{near or 'none'})")
     if fused:
-        gu, down = reader.get(pre + "gate_up_proj"), reader.get(pre + "down_proj")
-        E = gu.shape[0]
-        get = (lambda e: (gu[e].float(), down[e].float()))
-        src_dtype = gu.dtype
+        gs, ds = reader.shape(gu_name), reader.shape(down_name)
+        if len(gs) != 3 or len(ds) != 3 or gs[0] < 1 or gs[0] != ds[0] or gs[1:] != (2 * ds[2], ds[1]):
+            raise ValueError(f"load_experts: layer {layer}: {gu_name} {gs} and {down_name} {ds} do not fit "
+                             "[E, 2I, H] and [E, H, I] with the same E >= 1")
+        E = gs[0]
+        get = (lambda e: (_weight(reader, gu_name, fp8_block, e), _weight(reader, down_name, fp8_block, e)))
+        src_dtype = reader.get(gu_name, 0).dtype
     else:
         E = len(ids)
         if ids != list(range(E)):
             missing = sorted(set(range(ids[-1] + 1)) - set(ids))
             raise ValueError(f"load_experts: experts {missing[:10]} of layer {layer} are missing from {path!r}")
+        first = {}  # expert 0's shapes, which every expert must have (copy_ would broadcast a column)
 
         def get(e):
-            g, u, d = (_weight(reader, f"{pre}{e}.{n}.weight", fp8_block) for n in ("gate_proj", "up_proj",
-                                                                                     "down_proj"))
+            ws = {n: _weight(reader, f"{pre}{e}.{n}.weight", fp8_block) for n in ("gate_proj", "up_proj", "down_proj")}
+            for n, w in ws.items():
+                if w.shape != first.setdefault(n, w.shape):
+                    raise ValueError(f"load_experts: layer {layer}, expert {e}: {pre}{e}.{n}.weight has shape "
+                                     f"{tuple(w.shape)}, expected {tuple(first[n])} (expert 0's)")
+            g, u, d = ws.values()
             if g.shape != u.shape or d.shape != (g.shape[1], g.shape[0]):
-                raise ValueError(f"load_experts: expert {e}: gate {tuple(g.shape)}, up {tuple(u.shape)}, down "
-                                 f"{tuple(d.shape)} do not fit [I, H], [I, H], [H, I]")
+                raise ValueError(f"load_experts: layer {layer}, expert {e}: gate {tuple(g.shape)}, up "
+                                 f"{tuple(u.shape)}, down {tuple(d.shape)} do not fit [I, H], [I, H], [H, I]")
             return torch.cat([g, u]), d
 
         src_dtype = reader.get(f"{pre}0.gate_proj.weight").dtype
@@ -146,9 +185,6 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
             bar.update(1)
     if bar is not None:
         bar.close()
-    if w13.shape[-1] != w2.shape[-2] or w13.shape[-2] != 2 * w2.shape[-1]:
-        raise ValueError(f"load_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit [E, 2I, H] and "
-                         "[E, H, I]")
     return w13, w2
 
 
