@@ -27,8 +27,9 @@ HMOE_HD float nan_to_neginf(float x) { return is_nan(x) ? -INFINITY : x; }
 HMOE_HD bool ranks_before(float v, int32_t i, float bv, int32_t bi) { return v > bv || (v == bv && i < bi); }
 
 // Softmax numerator of logit x under the max m: NaN and -inf logits contribute 0 (also when
-// m == -inf, where exp(x - m) would be NaN).
-HMOE_HD float softmax_exp(float x, float m) { return (is_nan(x) || x == -INFINITY) ? 0.f : expf(x - m); }
+// m == -inf, where exp(x - m) would be NaN); a logit equal to the max 1, so that where the max is
+// +inf the +inf logits share the row equally (softmax's limit) and the others get 0.
+HMOE_HD float softmax_exp(float x, float m) { return (is_nan(x) || x == -INFINITY) ? 0.f : x == m ? 1.f : expf(x - m); }
 // Score and selection value of a softmax expert from its numerator, the row's sum and its logit
 // (sum == 0, or NaN: no usable logit in the row).
 HMOE_HD float softmax_score(float ex, float sum) { return sum > 0.f ? ex / sum : 0.f; }

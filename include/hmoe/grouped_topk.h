@@ -27,8 +27,9 @@ constexpr int32_t kGroupedTopkMaxExperts = k::grouped_topk_max_experts;
 // Order: the K outputs are sorted by sel descending, ties to the lower expert index (groups
 // likewise). NaN: a NaN logit makes the expert unusable (score 0, sel -inf): it loses to every
 // expert with a non-NaN logit; softmax ignores it like a -inf logit; a row with no finite
-// logit gets all-zero softmax scores. Any other NaN sel or group score ranks as -inf. Ids are
-// always K distinct experts of kept groups.
+// logit gets all-zero softmax scores; +inf logits take softmax's limit (they share the row's
+// probability, every other expert scores 0). Any other NaN sel or group score ranks as -inf. Ids
+// are always K distinct experts of kept groups.
 struct GroupedTopkParams {
   const void* logits;    // [num_tokens, num_experts], row-major contiguous, logits_dtype
   int32_t logits_dtype;  // kF32, kF16 or kBF16

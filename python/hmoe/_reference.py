@@ -308,8 +308,12 @@ def grouped_topk(logits, top_k, *, n_group=1, topk_group=1, scoring="softmax", b
     nan = torch.isnan(x)
     if scoring == "softmax":
         scores = torch.softmax(x.masked_fill(nan, float("-inf")), dim=-1)
-        # No finite logit (or +inf ones): softmax gives NaN where hmoe gives 0.
+        # No finite logit: softmax gives NaN where hmoe gives 0. +inf logits: softmax gives NaN
+        # where hmoe takes its limit (the +inf experts share the row, the rest get 0).
         scores = torch.where(torch.isnan(scores), torch.zeros_like(scores), scores)
+        pinf = x == float("inf")
+        share = pinf.to(dtype) / pinf.sum(dim=-1, keepdim=True).clamp(min=1).to(dtype)
+        scores = torch.where(pinf.any(dim=-1, keepdim=True), share, scores)
         sel = scores.masked_fill(nan, float("-inf"))
     else:
         scores = torch.sigmoid(x).masked_fill(nan, 0.0)

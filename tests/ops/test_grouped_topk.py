@@ -203,6 +203,21 @@ def test_fewer_usable_experts_than_top_k(device):
         assert w.cpu()[0, 2:].tolist() == [0.0, 0.0] and bool((w.cpu()[0, :2] > 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_plus_inf_logits_take_the_softmax_limit(device, dtype):
+    # an fp16 router that overflowed: the +inf experts share the row, the others score 0, so the
+    # token still goes to them (torch's softmax gives NaN; a zero row would drop the token)
+    inf = float("inf")
+    logits = torch.tensor([[0.5, 2.0, -1.0, inf, 0.0, 1.0, -inf, 3.0],
+                           [inf, 2.0, -1.0, inf, float("nan"), 1.0, -inf, 3.0]], dtype=dtype, device=device)
+    w, ids = grouped_topk(logits, 2, renormalize=False)
+    assert ids.cpu().tolist() == [[3, 0], [0, 3]]  # ties at score 0 go to the lower index
+    assert w.cpu().tolist() == [[1.0, 0.0], [0.5, 0.5]]
+    w, ids = grouped_topk(logits, 3, n_group=4, topk_group=2)  # groups {0,1} {2,3} {4,5} {6,7}
+    assert ids.cpu().tolist() == [[3, 0, 1], [0, 3, 1]]
+    assert w.cpu().tolist() == [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_random_nans_and_infs(device, scoring, dtype):

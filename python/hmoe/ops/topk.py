@@ -28,7 +28,9 @@ def grouped_topk(router_logits, top_k, *, n_group=1, topk_group=1, scoring="soft
     NaN: a NaN logit makes its expert unusable: score 0, selection score -inf, so it is chosen
     only when fewer than top_k other experts remain in the kept groups (then with weight 0);
     softmax leaves it out like a -inf logit, and a row without any finite logit gets all-zero
-    scores (hence zero weights). Ids are always top_k distinct experts of kept groups.
+    scores (hence zero weights). +inf logits (an fp16 router that overflowed): softmax takes its
+    limit, the +inf experts share the row's probability equally and every other expert scores 0;
+    sigmoid scores them 1. Ids are always top_k distinct experts of kept groups.
     On CUDA the kernel runs asynchronously on the current stream.
     """
     index = _cuda.cuda_index(router_logits)
