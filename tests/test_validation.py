@@ -150,3 +150,12 @@ def test_float_arguments(value, exc):
 def test_int_arguments(value, exc):
     with pytest.raises(exc, match="top_k"):
         hmoe.ops.grouped_topk(torch.randn(2, 8), value)
+
+
+def test_prewarm_names_a_missing_cuda_device():
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device: prewarm('cuda') does its work")
+    hmoe.prewarm("cpu")  # the CPU modules only
+    for device in ("cuda", "cuda:1", 0):
+        with pytest.raises(RuntimeError, match="this torch sees no CUDA device"):
+            hmoe.prewarm(device)

@@ -30,6 +30,9 @@ def prewarm(device=None) -> None:
         return
     if device.type != "cuda":
         raise ValueError(f"prewarm: unsupported device {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"prewarm: {device} asked for, but this torch sees no CUDA device (torch "
+                           f"{torch.__version__}, CUDA {torch.version.cuda or 'not compiled in'})")
     from .ops import _cuda, mla
 
     index = _cuda.device_index(torch, device)

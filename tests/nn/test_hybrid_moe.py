@@ -2,6 +2,7 @@
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,11 +212,25 @@ def test_constructor_errors():
         hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=[1, 1])
     with pytest.raises(ValueError, match="routing statistics"):
         hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=2)
+    for bad in (2.0, [1.5], "01"):
+        with pytest.raises(TypeError, match="gpu_experts must be a list of int expert ids or an int count"):
+            hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=bad)
     with pytest.raises(TypeError, match="3-d torch tensor"):
         hn.HybridMoE(g, w13[0], w2, top_k=2)
     moe = hn.HybridMoE(g, w13, w2, top_k=2)
     with pytest.raises(ValueError, match=r"expected \[..., 16\]"):
         moe(torch.randn(3, 17))
+
+
+def test_any_layout_of_hidden_states():
+    E, H, inter = 8, 16, 8
+    gen = torch.Generator().manual_seed(5)
+    g, w13, w2 = (torch.randn(*s, generator=gen) for s in ((E, H), (E, 2 * inter, H), (E, H, inter)))
+    moe = hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=[np.int64(1)])
+    x = torch.randn(H, 5, generator=gen)
+    assert torch.equal(moe(x.t()), moe(x.t().contiguous()))  # a transposed view, as a drop-in module gets
+    y = torch.randn(2, 3, 2 * H, generator=gen)[..., ::2]  # strided in the last dim
+    assert torch.equal(moe(y), moe(y.contiguous()))
 
 
 def test_experts_implementation_hmoe_in_transformers():

@@ -1,6 +1,8 @@
 """hmoe.nn.HybridMoE: the DeepSeek-V2/V3 MoE block with its routed experts on the CPU."""
 from __future__ import annotations
 
+import numbers
+import operator
 import warnings
 
 import torch
@@ -165,7 +167,7 @@ class HybridMoE(torch.nn.Module):
             self._warned_grad = True
             warnings.warn("HybridMoE is inference-only: no gradient flows through the routed experts (run the "
                           "model under torch.no_grad() or torch.inference_mode())", stacklevel=2)
-        x = hidden_states.reshape(-1, self.hidden_size)
+        x = hidden_states.reshape(-1, self.hidden_size).contiguous()  # any layout in; the kernels take rows
         weights, ids = self.route(x)
         cpu_ids, cpu_w = self._cpu_routing(ids, weights)
         if x.is_cuda and not torch.compiler.is_compiling():
@@ -281,8 +283,8 @@ def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
         return []
     if isinstance(gpu_experts, bool):
         raise TypeError("HybridMoE: gpu_experts must be a list of expert ids or a count, not a bool")
-    if isinstance(gpu_experts, int):
-        n = gpu_experts
+    if isinstance(gpu_experts, numbers.Integral):
+        n = int(gpu_experts)
         if not 0 <= n < E:
             raise ValueError(f"HybridMoE: gpu_experts = {n} must be in [0, {E}) (at least one expert on the CPU)")
         if n == 0:
@@ -297,7 +299,13 @@ def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
         if not counts.gt(0).any():
             raise ValueError("HybridMoE: routing_counts is all zero: no routing statistics to choose from")
         return sorted(torch.argsort(counts, descending=True, stable=True)[:n].tolist())
-    ids = [int(e) for e in gpu_experts]
+    if isinstance(gpu_experts, torch.Tensor):
+        gpu_experts = gpu_experts.flatten().tolist()
+    try:
+        ids = [operator.index(e) for e in gpu_experts]
+    except TypeError:
+        raise TypeError(f"HybridMoE: gpu_experts must be a list of int expert ids or an int count, got "
+                        f"{gpu_experts!r}") from None
     bad = [e for e in ids if not 0 <= e < E]
     if bad or len(set(ids)) != len(ids):
         raise ValueError(f"HybridMoE: gpu_experts {ids} must be distinct expert ids in [0, {E})")
