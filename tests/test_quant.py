@@ -1,6 +1,8 @@
 """hmoe.quant: int8 / int4 / fp8 quantised weights against a reference written out element by element."""
+import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,15 +121,143 @@ def test_pieces_give_the_same_bytes(monkeypatch, piece):
         quant.quantize(bad, "int4", group_size=32)
 
 
-def test_pickle_round_trip():
+def _fp8_stack(*shape, block=(128, 128), seed=0):
+    """A checkpoint-like fp8 weight (every byte but NaN) and its weight_scale_inv, for from_fp8."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0
+    N, K = shape[-2:]
+    scale_inv = torch.rand(*shape[:-2], -(-N // block[0]), -(-K // block[1]), generator=gen) + 0.5
+    return raw.view(torch.float8_e4m3fn), scale_inv
+
+
+def _assert_same(a, b):
+    """Every exposed field of two QuantizedWeights equal, the tensors' bytes and layout too."""
+    assert type(a) is type(b) is quant.QuantizedWeights
+    assert (a.format, a.shape, a.group_size, a.block, a.kernel_group, a.nbytes, repr(a)) == \
+           (b.format, b.shape, b.group_size, b.block, b.kernel_group, b.nbytes, repr(b))
+    assert a.bits_per_weight == b.bits_per_weight
+    for x, y in ((a.data, b.data), (a.scales, b.scales)):
+        assert (x.dtype, x.shape, x.stride(), x.device) == (y.dtype, y.shape, y.stride(), y.device)
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert torch.equal(quant.dequantize(a), quant.dequantize(b))
+
+
+PICKLED = {
+    "int8 per row": lambda: quant.quantize(_w(3, 10, 256), "int8"),
+    "int8 per group": lambda: quant.quantize(_w(3, 10, 256), "int8", group_size=32),
+    "int4": lambda: quant.quantize(_w(5, 64), "int4", group_size=32),
+    "fp8": lambda: quant.quantize(_w(2, 200, 320, seed=5), "fp8"),  # partial blocks
+    "fp8 from_fp8": lambda: quant.from_fp8(*_fp8_stack(2, 200, 320, block=(64, 32)), block=(64, 32)),
+}
+
+
+@pytest.mark.parametrize("make", PICKLED.values(), ids=PICKLED.keys())
+def test_pickle_and_deepcopy_round_trip(make):
+    # Plain pickle cannot load float8 tensors (torch.save and deepcopy can): fp8's data travels as bytes.
+    qw = make()
+    for proto in (2, pickle.HIGHEST_PROTOCOL):
+        _assert_same(pickle.loads(pickle.dumps(qw, protocol=proto)), qw)
+    twin = copy.deepcopy(qw)
+    _assert_same(twin, qw)
+    assert twin.data.data_ptr() != qw.data.data_ptr()
+
+
+def test_unpickled_fp8_runs_in_cpu_experts():
+    gen = torch.Generator().manual_seed(6)
+    E, H, I, T, K = 3, 128, 64, 4, 2
+    q13, q2 = (quant.quantize(torch.randn(E, n, k, generator=gen), "fp8", block=(64, 64)) for n, k in ((2 * I, H), (H, I)))
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
+    w = torch.rand(T, K, generator=gen)
+    t13, t2 = pickle.loads(pickle.dumps((q13, q2)))
+    assert torch.equal(hmoe.CPUExperts(t13, t2)(x, ids, w), hmoe.CPUExperts(q13, q2)(x, ids, w))
+
+
+def test_pickle_states():
     qw = quant.quantize(_w(5, 64), "int4", group_size=32)
-    twin = pickle.loads(pickle.dumps(qw))
-    assert repr(twin) == repr(qw) and torch.equal(twin.data, qw.data) and torch.equal(twin.scales, qw.scales)
     state = qw.__getstate__()
     state["version"] = 7
     with pytest.raises(ValueError, match="another hmoe version"):
         quant.QuantizedWeights.__new__(quant.QuantizedWeights).__setstate__(state)
+    # version 1 (before fp8's bytes; its int8 and int4 states are the same) still reads
+    state = qw.__getstate__()
+    state["version"] = 1
+    del state["data_dtype"]
+    old = quant.QuantizedWeights.__new__(quant.QuantizedWeights)
+    old.__setstate__(state)
+    _assert_same(old, qw)
+    f8 = quant.quantize(_w(4, 128), "fp8").__getstate__()
+    assert f8["data"].dtype == torch.uint8 and f8["data_dtype"] == "float8_e4m3fn"
+    f8["data_dtype"] = "float8_e9m9"
+    with pytest.raises(ValueError, match="dtype float8_e9m9 does not exist in torch"):
+        quant.QuantizedWeights.__new__(quant.QuantizedWeights).__setstate__(f8)
+    bad = qw.__getstate__()
+    bad["format"] = "int2"
+    with pytest.raises(ValueError, match="unknown format 'int2'"):
+        quant.QuantizedWeights.__new__(quant.QuantizedWeights).__setstate__(bad)
     assert hmoe.quant is quant
+
+
+def _fp8_reference(w, block):
+    """fp8 block by block: s = amax / 448 over each (rows, cols) slice, q = w / s in e4m3fn."""
+    w = w.float()
+    r, c = block
+    N, K = w.shape[-2:]
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(*w.shape[:-2], -(-N // r), -(-K // c))
+    for i, n0 in enumerate(range(0, N, r)):
+        for j, k0 in enumerate(range(0, K, c)):
+            blk = w[..., n0:n0 + r, k0:k0 + c]
+            s = blk.abs().amax(dim=(-2, -1)) / quant.FP8_MAX
+            scales[..., i, j] = s
+            s = s[..., None, None]
+            q[..., n0:n0 + r, k0:k0 + c] = torch.where(s > 0, blk / torch.where(s > 0, s, 1.0), 0.0).to(q.dtype)
+    return q, scales
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 32), (200, 64), (2 ** 40, 64), (64, 2 ** 40), (2 ** 20, 2 ** 20),
+                                   (2 ** 62, 2 ** 62)], ids=str)
+def test_fp8_blocks_against_the_reference(block):
+    # A block larger than the matrix covers it whole (scales [..., ceil(N/rows), ceil(K/cols)]): quantize
+    # and dequantize never pad beyond one block within the matrix (2**20 x 2**20 once asked for 4.4 TB).
+    w = _w(3, 200, 320, seed=7, dtype=torch.bfloat16)
+    w[1, :, :64] = 0.0  # zero blocks
+    qw = quant.quantize(w, "fp8", block=block)
+    q, scales = _fp8_reference(w, block)
+    assert qw.block == block and qw.scales.shape == scales.shape
+    assert torch.equal(qw.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(qw.scales, scales)
+    want = q.float() * scales.repeat_interleave(min(block[0], 200), -2)[..., :200, :].repeat_interleave(
+        min(block[1], 320), -1)[..., :320]
+    assert torch.equal(quant.dequantize(qw), want)
+    assert torch.equal(quant.dequantize(quant.from_fp8(qw.data, qw.scales, block)), want)
+
+
+def test_empty_stacks():
+    # An empty stack quantises, prints and converts; its bits per weight are those of one matrix's layout.
+    for fmt, g, bits in (("int8", None, 8.25), ("int8", 32, 9.0), ("int4", 64, 4.5), ("fp8", None, 8 + 32 / (8 * 128))):
+        empty = quant.quantize(_w(0, 8, 128), fmt, group_size=g)
+        one = quant.quantize(_w(1, 8, 128), fmt, group_size=g)
+        assert empty.data.shape[0] == empty.scales.shape[0] == 0 and quant.dequantize(empty).shape == (0, 8, 128)
+        assert empty.bits_per_weight == one.bits_per_weight == pytest.approx(bits)
+        assert repr(empty) == repr(one).replace("shape=[1,", "shape=[0,")
+        _assert_same(pickle.loads(pickle.dumps(empty)), empty)
+    f8 = torch.zeros(0, 8, 128, dtype=torch.float8_e4m3fn)
+    as4 = quant.from_fp8(f8, torch.ones(0, 1, 1), to="int4", group_size=64)
+    assert as4.format == "int4" and as4.data.shape == (0, 8, 64) and as4.scales.shape == (0, 8, 2)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quant.from_fp8(f8, torch.ones(0, 1, 1), to="int4", group_size=48)
+
+
+def test_unknown_formats():
+    qw = quant.quantize(_w(2, 64, 128), "int8")
+    with pytest.raises(ValueError, match=r"QuantizedWeights: unknown format 'int2'; expected one of \('int8', 'int4', 'fp8'\)"):
+        quant.QuantizedWeights("int2", qw.data, qw.scales, qw.shape)
+    # the attributes can still be changed: CPUExperts names the format instead of failing on a lookup
+    w13, w2 = qw, quant.quantize(_w(2, 128, 32), "int8")
+    w13.format = w2.format = "int2"
+    with pytest.raises(ValueError, match=r"unknown quantised weight format 'int2'; the kernels take \('int8', 'int4', 'fp8'\)"):
+        hmoe.CPUExperts(w13, w2)
 
 
 def test_errors():
@@ -136,8 +266,12 @@ def test_errors():
         quant.quantize(w, "int3")
     with pytest.raises(ValueError, match="group_size must be one of"):
         quant.quantize(w, "int4", group_size=48)
-    with pytest.raises(ValueError, match="group_size must be one of"):
-        quant.quantize(w, "int8", group_size=True)
+    for not_int in (True, 64.0, np.float32(64), "64"):
+        with pytest.raises(TypeError, match=f"group_size must be an int .*, got .* of type {type(not_int).__name__}"):
+            quant.quantize(w, "int8", group_size=not_int)
+    with pytest.raises(TypeError, match=r"group_size must be an int \(one of \(32, 64, 128\)\), got 32.0"):
+        quant.quantize(w, "int4", group_size=32.0)
+    assert type(quant.quantize(w, "int8", group_size=np.int64(64)).group_size) is int
     with pytest.raises(ValueError, match="not a multiple of group_size 128"):
         quant.quantize(w, "int4")
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
@@ -150,6 +284,13 @@ def test_errors():
         quant.quantize(bad, "int8")
     with pytest.raises(ValueError, match="not per group"):
         quant.quantize(w, "fp8", group_size=32)
+    for block in ((127.9, 128), (True, 128), ("128", 128)):  # int() used to make 127.9 a block of 127
+        with pytest.raises(TypeError, match=r"block must be two ints \(rows, cols\)"):
+            quant.quantize(w, "fp8", block=block)
+    for block in ((128,), 128, (0, 128)):
+        with pytest.raises(ValueError, match="block"):
+            quant.quantize(w, "fp8", block=block)
+    assert quant.quantize(w, "fp8", block=(np.int64(64), 128)).block == (64, 128)
     f8 = w.to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"scale_inv has shape \(2, 1\), expected \(1, 1\)"):
         quant.from_fp8(f8, torch.ones(2, 1))
@@ -157,6 +298,8 @@ def test_errors():
         quant.from_fp8(w, torch.ones(1, 1))
     with pytest.raises(ValueError, match="to must be None"):
         quant.from_fp8(f8, torch.ones(1, 1), to="fp4")
+    with pytest.raises(ValueError, match=r"w_fp8 \[..., N, K\] with N, K >= 1, got shape \(4, 0\)"):
+        quant.from_fp8(f8[:, :0], torch.ones(1, 0))
     for nan in (0x7F, 0xFF):  # both signs of e4m3fn's NaN, found piece by piece in a stack
         stack = torch.zeros(3, 4, 128, dtype=torch.float8_e4m3fn)
         stack.view(torch.uint8)[2, 3, 127] = nan

@@ -9,12 +9,14 @@ scale and quotient computed in fp32):
   int4  per group of 32/64/128 along K (default 128): q = round(w / s) in [-7, 7],
         s = max|w| / 7; two values per byte, element 2j in the low nibble, 2j + 1 in the high one.
   fp8   float8_e4m3fn with one fp32 scale per block of (128, 128) [N, K] elements, DeepSeek-V3/R1's
-        checkpoint format (weight_scale_inv): w = fp8 * scale.
+        checkpoint format (weight_scale_inv): w = fp8 * scale. The blocks at the matrix's edges are
+        partial (scales [..., ceil(N/rows), ceil(K/cols)]); a block larger than the matrix covers it whole.
 
 The scales are fp32; the dequantised weight is q * s in fp32. A group or block whose weights are all
-zero has scale 0. QuantizedWeights pickles (plain tensors and a version number). quantize works through
-a stack in pieces of about 16M weights, so that its fp32 temporaries stay a few hundred MB whatever the
-stack's size (a DeepSeek-V3 layer's 256 experts are 5.6G weights a matrix); the result is the same.
+zero has scale 0. QuantizedWeights pickles (plain tensors, fp8's as their bytes, and a version number).
+quantize works through a stack in pieces of about 16M weights, so that its fp32 temporaries stay a few
+hundred MB whatever the stack's size (a DeepSeek-V3 layer's 256 experts are 5.6G weights a matrix); the
+result is the same.
 
 hmoe.CPUExperts takes QuantizedWeights for w13 and w2 (the same format for both); its kernels work
 in k groups of `kernel_group` (the group size; for int8 per row the whole row, K rounded up to a
@@ -24,6 +26,7 @@ quantise the activations (the precision contract is in hmoe.ops.experts).
 from __future__ import annotations
 
 import math
+import numbers
 
 FORMATS = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128)
@@ -40,9 +43,13 @@ class QuantizedWeights:
     (int8 per row: [..., N, 1]) or [..., ceil(N/rows), ceil(K/cols)] (fp8).
     """
 
-    _STATE_VERSION = 1
+    # 2: float8 data travels as its bytes and dtype name (plain pickle cannot load float8 tensors; torch.save
+    # and deepcopy can). Version 1 states (int8 and int4 only: fp8 ones never loaded) read the same way.
+    _STATE_VERSION = 2
 
     def __init__(self, format: str, data, scales, shape, *, group_size: int | None = None, block=None):
+        if format not in FORMATS:
+            raise ValueError(f"QuantizedWeights: unknown format {format!r}; expected one of {FORMATS}")
         self.format, self.data, self.scales = format, data, scales
         self.shape, self.group_size = tuple(int(d) for d in shape), group_size
         self.block = None if block is None else (int(block[0]), int(block[1]))
@@ -54,7 +61,12 @@ class QuantizedWeights:
 
     @property
     def bits_per_weight(self) -> float:
-        return 8 * self.nbytes / math.prod(self.shape)
+        """Bits a weight takes, its share of the scales included: one matrix's layout (every matrix of a
+        stack has the same), so that an empty stack has one too."""
+        matrix = (math.prod(self.data.shape[-2:]) * self.data.element_size()
+                  + math.prod(self.scales.shape[-2:]) * self.scales.element_size())
+        weights = math.prod(self.shape[-2:])
+        return 8 * matrix / weights if weights else math.nan
 
     @property
     def kernel_group(self) -> int:
@@ -69,13 +81,27 @@ class QuantizedWeights:
         return dequantize(self)
 
     def __getstate__(self):
-        return {"version": self._STATE_VERSION, "format": self.format, "data": self.data, "scales": self.scales,
-                "shape": self.shape, "group_size": self.group_size, "block": self.block}
+        import torch
+
+        data, data_dtype = self.data, None
+        if data.dtype.is_floating_point and data.element_size() == 1:  # float8
+            data, data_dtype = data.view(torch.uint8), str(data.dtype).removeprefix("torch.")
+        return {"version": self._STATE_VERSION, "format": self.format, "data": data, "data_dtype": data_dtype,
+                "scales": self.scales, "shape": self.shape, "group_size": self.group_size, "block": self.block}
 
     def __setstate__(self, state):
-        if not isinstance(state, dict) or state.get("version") != self._STATE_VERSION:
+        import torch
+
+        if not isinstance(state, dict) or state.get("version") not in (1, self._STATE_VERSION):
             raise ValueError("unpickling QuantizedWeights: written by another hmoe version; quantise the weights again")
-        self.__init__(state["format"], state["data"], state["scales"], state["shape"],
+        data, data_dtype = state["data"], state.get("data_dtype")
+        if data_dtype is not None:
+            dtype = getattr(torch, data_dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unpickling QuantizedWeights: the data's dtype {data_dtype} does not exist in torch "
+                                 f"{torch.__version__}")
+            data = data.view(dtype)
+        self.__init__(state["format"], data, state["scales"], state["shape"],
                       group_size=state["group_size"], block=state["block"])
 
     def __repr__(self):
@@ -129,7 +155,12 @@ def _group(fmt: str, K: int, group_size):
             group_size = 128
         else:
             return None
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(f"quantize: group_size must be an int (one of {GROUP_SIZES})"
+                        + (" or None (per row)" if fmt == "int8" else "")
+                        + f", got {group_size!r} of type {type(group_size).__name__}")
+    group_size = int(group_size)
+    if group_size not in GROUP_SIZES:
         raise ValueError(f"quantize: group_size must be one of {GROUP_SIZES}"
                          + (" or None (per row)" if fmt == "int8" else "") + f", got {group_size!r}")
     if K % group_size:
@@ -141,8 +172,10 @@ def _block_scales(wf, block, qmax):
     """amax / qmax per (rows, cols) block of the last two dims, shape [..., ceil(N/r), ceil(K/c)]."""
     import torch
 
-    r, c = block
     N, K = wf.shape[-2:]
+    # A block larger than the matrix covers it whole: padding stays under one block within the matrix's
+    # size (the scales are the same; block=(2**20, 2**20) would otherwise pad to terabytes).
+    r, c = min(block[0], N), min(block[1], K)
     pn, pk = -N % r, -K % c
     padded = torch.nn.functional.pad(wf.abs(), (0, pk, 0, pn))
     lead = padded.shape[:-2]
@@ -151,7 +184,7 @@ def _block_scales(wf, block, qmax):
 
 
 def _expand_blocks(scales, block, N: int, K: int):
-    r, c = block
+    r, c = min(block[0], N), min(block[1], K)  # as in _block_scales
     return scales.repeat_interleave(r, dim=-2)[..., :N, :].repeat_interleave(c, dim=-1)[..., :K]
 
 
@@ -205,9 +238,12 @@ def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128))
 
 def _check_block(block):
     try:
-        r, c = (int(b) for b in block)
+        r, c = block
     except (TypeError, ValueError):
         raise ValueError(f"fp8: block must be (rows, cols), got {block!r}") from None
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in (r, c)):
+        raise TypeError(f"fp8: block must be two ints (rows, cols), got {block!r}")
+    r, c = int(r), int(c)
     if r < 1 or c < 1:
         raise ValueError(f"fp8: block sizes must be positive, got {block!r}")
     return r, c
@@ -246,8 +282,8 @@ def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
     if not isinstance(w_fp8, torch.Tensor) or w_fp8.dtype != torch.float8_e4m3fn:
         raise TypeError(f"from_fp8: w_fp8 must be a float8_e4m3fn tensor, got "
                         f"{w_fp8.dtype if isinstance(w_fp8, torch.Tensor) else type(w_fp8).__name__}")
-    if w_fp8.dim() < 2:
-        raise ValueError(f"from_fp8: expected w_fp8 [..., N, K], got shape {tuple(w_fp8.shape)}")
+    if w_fp8.dim() < 2 or w_fp8.shape[-1] == 0 or w_fp8.shape[-2] == 0:
+        raise ValueError(f"from_fp8: expected w_fp8 [..., N, K] with N, K >= 1, got shape {tuple(w_fp8.shape)}")
     if not isinstance(scale_inv, torch.Tensor) or not scale_inv.is_floating_point():
         raise TypeError("from_fp8: scale_inv must be a floating-point tensor")
     r, c = _check_block(block)
@@ -271,6 +307,8 @@ def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
         raise ValueError(f"from_fp8: to must be None, 'int8' or 'int4', got {to!r}")
     # One matrix of the stack at a time: the fp32 weights never exist for the whole stack.
     L = math.prod(w_fp8.shape[:-2])
+    if L == 0:  # an empty stack: no matrix to convert one at a time, but quantize still checks and shapes it
+        return quantize(dequantize(qw), to, group_size=group_size)
     mats = qw.data.reshape(L, N, K), qw.scales.reshape(L, *qw.scales.shape[-2:])
     parts = [quantize(dequantize(QuantizedWeights("fp8", d, sc, (N, K), block=(r, c))), to, group_size=group_size)
              for d, sc in zip(*mats)]

@@ -11,7 +11,11 @@ _FLOAT_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float3
 
 
 def _format_code(fmt: str) -> int:
-    return spec.constants()[f"weight_format_{fmt}"]
+    codes = {k.removeprefix("weight_format_"): v for k, v in spec.constants().items() if k.startswith("weight_format_")}
+    if fmt not in codes:
+        # QuantizedWeights' constructor refuses unknown formats, but its attributes can still be changed.
+        raise ValueError(f"CPUExperts: unknown quantised weight format {fmt!r}; the kernels take {tuple(codes)}")
+    return codes[fmt]
 
 
 def _quant_args(w13: QuantizedWeights, w2: QuantizedWeights):
