@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hmoe  # noqa: E402
-from hmoe import _reference, quant  # noqa: E402
+from hmoe import _reference, _threads, quant  # noqa: E402
 from hmoe.bench import experts as bench  # noqa: E402
 from hmoe.bench import experts_run, kt_peer, membw  # noqa: E402
 
@@ -65,6 +65,82 @@ def test_cli_formats_and_flags(capsys):
             bench.parse_args(argv, "prog")
         assert e.value.code == 2, argv
     assert "unknown format(s) ['int3']" in capsys.readouterr().err
+
+
+def parse_error(capsys, *argv) -> str:
+    """parse_args must refuse argv with an argparse error (exit status 2); returns that one line."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(list(argv), "prog")
+    assert e.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_cli_rejects_bad_numbers_at_parse_time(capsys):
+    for opt in ("--repeats", "--copy-mib", "--rounds", "--peer-threads"):
+        for value in ("0", "-5", "x"):
+            err = parse_error(capsys, opt, value)
+            assert f"argument {opt}: must be a positive whole number, got '{value}'" in err, err
+    err = parse_error(capsys, "--warmup", "-1")
+    assert "argument --warmup: must be a whole number >= 0" in err
+    # the range of hmoe.set_num_threads
+    for value in ("0", str(_threads.MAX_THREADS + 1), "5000"):
+        err = parse_error(capsys, "--threads", value)
+        assert "argument --threads" in err and f"from 1 to {_threads.MAX_THREADS}" in err and value in err
+    assert bench.parse_args(["--threads", str(_threads.MAX_THREADS)], "prog").threads == _threads.MAX_THREADS
+    # defaults only when the option is absent, never in place of a value given
+    opts = bench.parse_args([], "prog")
+    assert (opts.repeats, opts.copy_mib) == (10, None)
+    assert bench.parse_args(["--quick"], "prog").repeats == 2
+    assert bench._probe_bytes(bench.parse_args(["--quick"], "prog")) == 256 << 20
+    opts = bench.parse_args(["--quick", "--repeats", "1", "--copy-mib", "1"], "prog")
+    assert (opts.repeats, bench._probe_bytes(opts)) == (1, 1 << 20)
+
+
+def test_cli_isa_checked_before_any_work(capsys, monkeypatch):
+    from hmoe.hardware import cpu
+
+    names = [lv["name"] for lv in cpu.levels()]
+    err = parse_error(capsys, "--isa", "foo")
+    assert "argument --isa: invalid choice: 'foo'" in err and all(n in err for n in names), err
+    info = cpu.cpu_info()
+    runnable = [lv["name"] for lv in cpu.levels() if not cpu.missing_requirements(lv, info)]
+    assert bench.parse_args(["--isa", runnable[-1]], "prog").isa == runnable[-1]
+    cannot = [lv for lv in cpu.levels() if cpu.missing_requirements(lv, info)]
+    if cannot:  # the library's own refusal (hmoe.dispatch.select_cpu), before the bandwidth probes
+        err = parse_error(capsys, "--isa", cannot[0]["name"])
+        assert f"--isa {cannot[0]['name']}: this CPU/OS cannot run it (missing" in err, err
+        assert cpu.missing_requirements(cannot[0], info)[0] in err
+        with pytest.raises(SystemExit) as e:
+            bench.main([*TINY, "--isa", cannot[0]["name"]])
+        assert e.value.code == 2 and "measuring" not in capsys.readouterr().err
+    monkeypatch.setenv("HMOE_CPU_ISA", "foo")
+    err = parse_error(capsys)
+    assert "HMOE_CPU_ISA='foo' is not an ISA level" in err
+
+
+def test_cli_bad_thread_variable_checked_before_any_work(capsys, monkeypatch):
+    monkeypatch.setenv("HMOE_NUM_THREADS", "abc")
+    err = parse_error(capsys)
+    assert "HMOE_NUM_THREADS='abc'" in err and "--threads" in err
+    assert bench.parse_args(["--threads", "2"], "prog").threads == 2  # --threads overrides the variable
+
+
+def test_cli_json_path_checked_before_any_work(tmp_path, capsys):
+    err = parse_error(capsys, "--json", "/nonexistent/dir/x.json")
+    assert "argument --json: cannot write '/nonexistent/dir/x.json': the directory /nonexistent/dir does not exist" in err
+    err = parse_error(capsys, "--json", str(tmp_path))
+    assert "it is a directory" in err
+    (tmp_path / "file").write_text("")
+    err = parse_error(capsys, "--json", str(tmp_path / "file" / "x.json"))
+    assert "is not a directory" in err
+    assert bench.parse_args(["--json", str(tmp_path / "x.json")], "prog").json == str(tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()  # checked, not created
+    r = subprocess.run([sys.executable, "-m", "hmoe.bench", "experts", *TINY, "--json", "/nonexistent/dir/x.json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "measuring" not in r.stderr
+    assert "/nonexistent/dir does not exist" in r.stderr
 
 
 def test_peer_choice_says_why(monkeypatch, capsys):

@@ -56,6 +56,19 @@ def test_exit_codes(tmp_path, args, code):
     assert p.returncode == code, p.stdout + p.stderr
 
 
+def test_bad_environment_variables(tmp_path):
+    p = cli(cwd=tmp_path, env_extra={"HMOE_COMPAT_TIMEOUT": "0"})
+    assert "WARNING: HMOE_COMPAT_TIMEOUT='0' is not a finite number of seconds > 0: ignored" in p.stdout
+    assert "took over" not in p.stdout and "reinstall" not in p.stdout, p.stdout
+    if not gpu.detect(refresh=True).visible:
+        assert p.returncode == 0, p.stdout + p.stderr
+    p = cli("--json", cwd=tmp_path, env_extra={"HMOE_NUM_THREADS": "abc"})
+    rep = json.loads(p.stdout)
+    assert p.returncode == rep["exit_code"] == 1 and minischema.errors(rep, SCHEMA) == []
+    assert any(q["what"].startswith("HMOE_NUM_THREADS='abc'") and q["severity"] == "error"
+               and q["fix"] == "set HMOE_NUM_THREADS to an integer 1..1024 or unset it" for q in rep["problems"])
+
+
 @pytest.fixture
 def pkg_copy(tmp_path):
     """A copy of the installed hmoe package, first on the path of the child process."""

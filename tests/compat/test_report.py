@@ -307,6 +307,44 @@ def test_forced_cpu_isa_it_cannot_run(env, monkeypatch):
     assert rep["exit_code"] == 1 and any("HMOE_CPU_ISA" in p["fix"] for p in rep["problems"])
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "inf"])
+def test_bad_compat_timeout_is_reported_and_the_default_used(env, monkeypatch, value):
+    monkeypatch.setenv("HMOE_COMPAT_TIMEOUT", value)
+    assert probes.timeout_s(30.0) == 30.0
+    rep, text = run()
+    (p,) = [p for p in rep["problems"] if "HMOE_COMPAT_TIMEOUT" in p["what"]]
+    assert p["severity"] == "warning" and f"HMOE_COMPAT_TIMEOUT={value!r}" in p["what"]
+    assert "seconds > 0" in p["what"] and "ignored" in p["what"] and "HMOE_COMPAT_TIMEOUT" in p["fix"]
+    # the children ran with their default limits: nothing "took over 0 s", nothing to reinstall
+    assert "took over" not in text and not any("reinstall" in p["fix"] for p in rep["problems"]), rep["problems"]
+    assert rep["exit_code"] == 0, rep["problems"]
+
+
+def test_valid_compat_timeout_is_used(env, monkeypatch):
+    monkeypatch.setenv("HMOE_COMPAT_TIMEOUT", "2.5")
+    assert probes.timeout_s(30.0) == 2.5 and probes.timeout_problem() is None
+    monkeypatch.setenv("HMOE_COMPAT_TIMEOUT", "")
+    assert probes.timeout_s(30.0) == 30.0 and probes.timeout_problem() is None
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "2000"])
+def test_bad_num_threads_is_a_problem_and_explains_the_selftest(env, monkeypatch, value):
+    from hmoe import _threads
+
+    fix = f"set HMOE_NUM_THREADS to an integer 1..{_threads.MAX_THREADS} or unset it"
+    monkeypatch.setenv("HMOE_NUM_THREADS", value)
+    rep, text = run(selftest=True)
+    assert rep["exit_code"] == 1
+    threads = [p for p in rep["problems"] if p["what"].startswith(f"HMOE_NUM_THREADS={value!r}")]
+    assert len(threads) == 1 and threads[0]["severity"] == "error" and threads[0]["fix"] == fix, rep["problems"]
+    assert f"fix: {fix}" in text
+    (st,) = [r for r in rep["selftests"] if r["name"] == "experts"]
+    assert not st["ok"]
+    (p,) = [p for p in rep["problems"] if p["what"].startswith("self-test experts")]
+    assert "could not run" in p["what"] and p["fix"] == fix and "force another variant" not in p["fix"]
+    assert [p["what"] for p in rep["problems"] if "self-test" in p["what"]] == [p["what"]]  # grouped_topk passes
+
+
 def test_check_exit_2_when_the_report_fails(env, monkeypatch, capsys):
     monkeypatch.setattr(compat, "report", lambda **kw: 1 / 0)
     assert compat.check(["check"]) == 2

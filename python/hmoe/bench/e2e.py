@@ -11,7 +11,12 @@ import statistics
 import sys
 import time
 
-from hmoe.bench._report import progress
+from hmoe.bench._report import int_range, output_file, positive_int, progress
+from hmoe.bench.models import PRESETS
+
+# models.py builds the models with transformers (a version with DeepSeek-V2/V3): hmoe does not
+# require it, pyproject's test extra has it.
+NEEDS_TRANSFORMERS = "pip install 'transformers>=4.48'"
 
 
 def parse_args(argv, prog):
@@ -22,33 +27,33 @@ def parse_args(argv, prog):
         "those modules on 'cpu': weights copied to the GPU at each forward) and against the bound: active routed "
         "expert bytes per step over the host's measured read bandwidth. --cpu-only runs everything on the CPU "
         "and compares with transformers on the CPU."))
-    p.add_argument("--preset", default="v2-lite", help="model dimensions: v2-lite (default), small, tiny")
-    p.add_argument("--layers", type=int, default=None, help="MoE layers (default: the preset's)")
+    p.add_argument("--preset", default="v2-lite", choices=tuple(PRESETS),
+                   help="model dimensions: v2-lite (default), small, tiny")
+    p.add_argument("--layers", type=positive_int, default=None, help="MoE layers (default: the preset's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--batches", default="1,8", help="decode batch sizes (default 1,8)")
-    p.add_argument("--prefill", type=int, default=512, help="prefill tokens, batch 1 (default 512; 0: skip)")
-    p.add_argument("--steps", type=int, default=8,
+    p.add_argument("--prefill", type=int_range(0), default=512, help="prefill tokens, batch 1 (default 512; 0: skip)")
+    p.add_argument("--steps", type=positive_int, default=8,
                    help="timed decode steps per round, each row and batch size (default 8)")
-    p.add_argument("--rounds", type=int, default=4,
+    p.add_argument("--rounds", type=positive_int, default=4,
                    help="rounds per row: a block of --steps decode steps, then as many of the CPU experts alone "
                         "(default 4)")
-    p.add_argument("--prompt", type=int, default=16,
+    p.add_argument("--prompt", type=positive_int, default=16,
                    help="prompt tokens before the timed decode steps, the context they attend to (default 16)")
-    p.add_argument("--baseline-steps", type=int, default=3, help="timed decode steps of the baseline (default 3)")
+    p.add_argument("--baseline-steps", type=positive_int, default=3, help="timed decode steps of the baseline (default 3)")
     p.add_argument("--no-baseline", action="store_true", help="leave transformers out")
     p.add_argument("--cpu-only", action="store_true", help="everything on the CPU (default: on the GPU if any)")
     p.add_argument("--handovers", default="doorbell,host_func",
                    help="hand-overs of the CPU experts timed in CUDA-graph steps, first = the one the goals use "
                         "(HMOE_CPU_HANDOVER; default doorbell,host_func)")
-    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
     opts = p.parse_args(argv)
     try:
         opts.batches = [int(b) for b in opts.batches.split(",") if b]
     except ValueError:
         p.error(f"--batches must be comma-separated integers, got {opts.batches!r}")
-    if (not opts.batches or min(opts.batches) < 1 or min(opts.steps, opts.rounds, opts.baseline_steps, opts.prompt) < 1
-            or opts.prefill < 0):
-        p.error("--batches, --steps, --rounds, --baseline-steps and --prompt must be positive, --prefill >= 0")
+    if not opts.batches or min(opts.batches) < 1:
+        p.error("--batches must be positive")
     from hmoe.nn._staging import HANDOVERS
 
     opts.handovers = [h for h in opts.handovers.split(",") if h]
@@ -211,8 +216,27 @@ def baseline(torch, opts, dtype, device, vocab: int) -> dict:
     return out
 
 
+def transformers_missing() -> str | None:
+    """Why the transformers this bench needs cannot be used (not installed, does not import, too old for
+    DeepSeek-V2/V3), or None."""
+    try:
+        import transformers
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == "transformers":
+            return "it is not installed"
+        return f"it does not import ({type(e).__name__}: {e})"
+    if not all(hasattr(transformers, c) for c in ("DeepseekV2Config", "DeepseekV3Config")):
+        return f"transformers {getattr(transformers, '__version__', '?')} has no DeepSeek-V2/V3 models"
+    return None
+
+
 def main(argv=None, prog="python -m hmoe.bench e2e") -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    why = transformers_missing()
+    if why:
+        print(f"{prog}: this bench needs transformers (it builds the DeepSeek models with it), but {why}: "
+              f"{NEEDS_TRANSFORMERS}", file=sys.stderr)
+        return 2
     import torch
 
     import hmoe

@@ -10,8 +10,9 @@ import gc
 import json
 import sys
 
+from hmoe import _threads
 from hmoe.bench import experts_table, kt_peer, membw
-from hmoe.bench._report import progress
+from hmoe.bench._report import int_range, output_file, positive_int, progress
 from hmoe.bench.experts_run import (  # noqa: F401  (torch_dtype, torch_expert_loop, DECODE_MAX_T: the bench's API)
     DECODE_MAX_T,
     FLOAT_FORMATS,
@@ -26,6 +27,8 @@ from hmoe.bench.experts_run import (  # noqa: F401  (torch_dtype, torch_expert_l
     torch_expert_loop,
     weight_dtype_name,
 )
+from hmoe.hardware import cpu as _cpu
+from hmoe.ops import experts as _experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,31 +111,33 @@ def parse_args(argv, prog):
     p.add_argument("--int4-group", type=int, default=128, choices=(32, 64, 128), help="int4 scale group (default 128)")
     p.add_argument("--peer", default="auto", choices=("auto", "kt-kernel", "none"),
                    help="other implementation in the same run (default auto: kt-kernel when it loads, else none)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 10; --quick 2)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed calls per measurement (default 10; --quick 2)")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="rounds of every implementation's blocks, kt-kernel's first and last in turn; the ratios "
                         "are then medians over the rounds of each round's ratio (default 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; --quick 1)")
+    p.add_argument("--warmup", type=int_range(0), default=None, help="untimed calls first (default 2; --quick 1)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="stop repeating cold calls after this many seconds, once 3 are done (default 20)")
     p.add_argument("--idle-ms", type=float, default=100.0,
                    help="idle before each cold call (default 100: every thread pool, kt's included, asleep)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_range(1, _threads.MAX_THREADS, " (hmoe.set_num_threads' range)"), default=None,
                    help="threads for hmoe, torch and kt-kernel (default: hmoe.get_num_threads())")
-    p.add_argument("--peer-threads", type=int, default=None,
+    p.add_argument("--peer-threads", type=positive_int, default=None,
                    help="threads for kt-kernel's worker pool (default: --threads; its own control thread comes on top)")
-    p.add_argument("--isa", default=None, help="force an hmoe CPU ISA level (default: the best this machine runs)")
+    p.add_argument("--isa", default=None, choices=[lv["name"] for lv in _cpu.levels()],
+                   help="force an hmoe CPU ISA level (default: the best this machine runs, or $HMOE_CPU_ISA)")
     p.add_argument("--experts-resident", type=int, default=32,
                    help="v3 experts held in memory and routed to (of 256; default 32: 256 in bf16 are 22.5 GB)")
-    p.add_argument("--copy-mib", type=int, default=None,
+    p.add_argument("--copy-mib", type=positive_int, default=None,
                    help="bandwidth probes' buffer in MiB (default: >= 1 GiB and >= 8x LLC; --quick 256)")
     p.add_argument("--no-flush", action="store_true", help="do not evict caches before cold calls (the idle stays)")
     p.add_argument("--quick", action="store_true", help="few repeats and a small probe buffer (CI smoke test)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
     p.add_argument("--shape-custom", metavar="H,I,E,K", help=argparse.SUPPRESS)  # tests: tiny shapes
     opts = p.parse_args(argv)
-    opts.repeats = opts.repeats or (2 if opts.quick else 10)
+    opts.repeats = opts.repeats if opts.repeats is not None else (2 if opts.quick else 10)
     opts.warmup = opts.warmup if opts.warmup is not None else (1 if opts.quick else 2)
     opts.time_budget = opts.time_budget if opts.time_budget is not None else (2.0 if opts.quick else 20.0)
     opts.min_repeats = min(opts.repeats, 1 if opts.quick else 3)
@@ -152,17 +157,41 @@ def parse_args(argv, prog):
             opts.shape_list = [dataclasses.replace(SHAPES[s], experts=v3_e) if s == "v3" else SHAPES[s] for s in names]
     except ValueError as e:
         p.error(str(e))
-    if (not opts.tokens or any(t < 1 for t in opts.tokens) or opts.repeats < 1 or opts.rounds < 1
-            or any(n is not None and n < 1 for n in (opts.threads, opts.peer_threads)) or opts.idle_ms < 0):
-        p.error("--tokens, --repeats, --rounds, --threads and --peer-threads must be positive, --idle-ms not negative")
+    if not opts.tokens or any(t < 1 for t in opts.tokens) or opts.idle_ms < 0:
+        p.error("--tokens must be positive, --idle-ms not negative")
     for s in opts.shape_list:
         if not (s.top_k <= s.experts <= s.experts_total):
             p.error(f"{s.name}: need top_k ({s.top_k}) <= resident experts ({s.experts}) <= {s.experts_total}")
+    _check_cpu_settings(opts, p)
     return opts
 
 
+def _check_cpu_settings(opts, p) -> None:
+    """What the library would refuse only after the bandwidth probes, refused before any work: the ISA
+    level (--isa or $HMOE_CPU_ISA; the choice of variant that CPUExperts makes, and caches) and, without
+    --threads, $HMOE_NUM_THREADS (read by hmoe.get_num_threads)."""
+    try:
+        _experts.select(opts.isa)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: no variant can run, or its module is broken
+        msg = str(e)
+        if opts.isa is not None:
+            rest = msg.removeprefix(f"isa={opts.isa!r}")
+            p.error(f"--isa {opts.isa}{rest}" if rest != msg else f"--isa {opts.isa}: {msg}")
+        p.error(msg)
+    if opts.threads is None:
+        try:
+            _threads.get_num_threads()
+        except ValueError as e:
+            p.error(f"{e}; set it to a valid count, unset it or pass --threads")
+
+
+def _probe_bytes(opts) -> int | None:
+    """The bandwidth probes' buffer: --copy-mib, else 256 MiB with --quick, else membw's default."""
+    return (opts.copy_mib << 20) if opts.copy_mib is not None else ((256 << 20) if opts.quick else None)
+
+
 def _bandwidths(opts, meta):
-    nbytes = (opts.copy_mib << 20) if opts.copy_mib else ((256 << 20) if opts.quick else None)
+    nbytes = _probe_bytes(opts)
     repeats = 3 if opts.quick else 5
     progress("measuring memory read and copy bandwidth")
     return (membw.measure_read_bandwidth(nbytes, repeats=repeats, threads=meta["threads_hmoe"]),
@@ -288,10 +317,8 @@ def _offers(kt, fmt) -> bool:
 
 def _finish(opts, meta, read, copy, rows, skipped) -> int:
     # measured again at the end: on a shared host the bandwidth itself can move during a run
-    read_end = (membw.measure_read_bandwidth((opts.copy_mib << 20) if opts.copy_mib else
-                                             ((256 << 20) if opts.quick else None),
-                                             repeats=3 if opts.quick else 5, threads=meta["threads_hmoe"])
-                if rows else None)
+    read_end = (membw.measure_read_bandwidth(_probe_bytes(opts), repeats=3 if opts.quick else 5,
+                                             threads=meta["threads_hmoe"]) if rows else None)
     if read_end and abs(read_end["gbps"] / read["gbps"] - 1) > 0.15:
         print(f"\nWARNING: read bandwidth moved during the run: {read['gbps']:.1f} GB/s at the start, "
               f"{read_end['gbps']:.1f} GB/s at the end (%read uses the start)")

@@ -5,6 +5,7 @@ module; the check itself then never does what killed a child."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -68,12 +69,34 @@ sys.stdout.write("\n" + json.dumps(out))
 """
 
 
-def timeout_s(default: float) -> float:
-    """A child's time limit: $HMOE_COMPAT_TIMEOUT seconds when set, else `default`."""
+TIMEOUT_FIX = "set HMOE_COMPAT_TIMEOUT to a number of seconds > 0 (e.g. 120) or unset it"
+
+
+def _env_timeout() -> tuple[float | None, str | None]:
+    """$HMOE_COMPAT_TIMEOUT: (seconds, None); (None, None) when unset or empty; (None, why) when it is
+    not a finite number of seconds > 0 (then every child keeps its default time limit)."""
+    text = os.environ.get("HMOE_COMPAT_TIMEOUT")
+    if not text:
+        return None, None
     try:
-        return float(os.environ.get("HMOE_COMPAT_TIMEOUT", default))
+        value = float(text)
     except ValueError:
-        return default
+        value = math.nan
+    if not 0 < value < math.inf:
+        return None, (f"HMOE_COMPAT_TIMEOUT={text!r} is not a finite number of seconds > 0: ignored, the check's "
+                      "child processes ran with their default time limits")
+    return value, None
+
+
+def timeout_problem() -> str | None:
+    """Why $HMOE_COMPAT_TIMEOUT is ignored, or None (unset, or a valid time limit)."""
+    return _env_timeout()[1]
+
+
+def timeout_s(default: float) -> float:
+    """A child's time limit: $HMOE_COMPAT_TIMEOUT seconds when set to a valid value, else `default`."""
+    value, _ = _env_timeout()
+    return default if value is None else value
 
 
 class Child:
@@ -98,7 +121,9 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.communicate()
-            return None, f"took over {self.timeout:.0f} s"
+            # a limit the user set is named: it, not the child, may be what is wrong
+            set_by = f" (HMOE_COMPAT_TIMEOUT={_env_timeout()[0]:g})" if _env_timeout()[0] is not None else ""
+            return None, f"took over {self.timeout:g} s{set_by}"
         try:
             return json.loads(out.strip().splitlines()[-1]), None
         except Exception:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import platform
 
-from .. import dispatch
+from .. import _threads, dispatch
 from .._build_info import module_name
 from .._native import NativeModuleError, load, mark_failed
 from ..hardware import cpu as _cpu
@@ -19,6 +19,7 @@ SCHEMA_VERSION = 1
 CPU_CORE_OPS = ("grouped_topk",)
 
 _FIX_NATIVE = "reinstall hmoe: pip install --force-reinstall --no-deps hmoe (or rebuild from source)"
+_FIX_THREADS = f"set HMOE_NUM_THREADS to an integer 1..{_threads.MAX_THREADS} or unset it"
 
 
 def backend_states() -> dict:
@@ -295,6 +296,21 @@ def _package_data(problems) -> None:
             problems.add("error", f"package data {what}: {err}", _FIX_NATIVE)
 
 
+def _environment(problems) -> str | None:
+    """Environment variables with values hmoe refuses, as problems: HMOE_COMPAT_TIMEOUT (this check's
+    own, ignored then) and HMOE_NUM_THREADS (every CPU experts call raises). Returns the error that
+    hmoe.get_num_threads() raises, or None."""
+    why = probes.timeout_problem()
+    if why:
+        problems.add("warning", why, probes.TIMEOUT_FIX)
+    try:
+        _threads.get_num_threads()  # the library's own reading of HMOE_NUM_THREADS (unless set_num_threads overrides it)
+    except ValueError as e:
+        problems.add("error", f"{e}: every call of hmoe's CPU experts raises this", _FIX_THREADS)
+        return str(e)
+    return None
+
+
 def _isolate(module_probes) -> None:
     """Modules whose load killed or hung a child are marked failed: this process never maps them."""
     for probe in module_probes:
@@ -327,6 +343,7 @@ def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool =
                                                            "cpu": simulate_cpu}}
     rep["hmoe"], manifest = _hmoe_section(problems)
     _package_data(problems)
+    threads_err = _environment(problems)
     _isolate([core])
 
     real_cpu, cpu_err = _guard(_cpu.cpu_info, request_amx=True)
@@ -377,7 +394,10 @@ def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool =
                              if torch_sec.get("cuda_available") else [])
         rep["selftests"] = _selftest.run(devices)
         for r in rep["selftests"]:
-            if not r["ok"]:
+            if not r["ok"] and threads_err and threads_err in r["detail"]:  # the test could not run, not a bad variant
+                problems.add("error", f"self-test {r['name']} on {r['device']} could not run: {r['detail']}",
+                             _FIX_THREADS)
+            elif not r["ok"]:
                 problems.add("error", f"self-test {r['name']} on {r['device']} failed: {r['detail']}",
                              "report it with this output; force another variant meanwhile "
                              "(HMOE_CPU_ISA / HMOE_CUDA_VARIANT)")
