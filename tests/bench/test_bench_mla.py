@@ -27,7 +27,8 @@ def test_parse_args_defaults_and_shapes():
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "64x4096"], ["--shapes", "0x10x2"], ["--shapes", "axbxc"],
-                                  ["--shapes", ","], ["--dtype", "fp32"], ["--page-size", "0"], ["--repeats", "0"]])
+                                  ["--shapes", ","], ["--dtype", "fp32"], ["--page-size", "0"], ["--repeats", "0"],
+                                  ["--copy-mib", "-5"], ["--json", "/nonexistent/dir/x.json"], ["--plot", "/nonexistent/p.png"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv, "prog")

@@ -41,3 +41,11 @@ def test_bad_arguments_exit_with_usage(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--calls", "0"])
     assert e.value.code == 2 and "--calls and --blocks must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [(["--threads", "5000"], "from 1 to 1024"),
+                                         (["--json", "/nonexistent/dir/x.json"], "does not exist")])
+def test_bad_options_are_refused_before_any_work(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv, "prog")
+    assert e.value.code == 2 and words in capsys.readouterr().err

@@ -29,7 +29,8 @@ def test_parse_args_defaults_and_cases():
 
 @pytest.mark.parametrize("argv", [["--shapes", "4x"], ["--shapes", "0x10"], ["--shapes", "a"], ["--shapes", ","],
                                   ["--dims", "96x96"], ["--dims", "192"], ["--heads", "6", "--kv-heads", "4"],
-                                  ["--dtype", "fp32"], ["--repeats", "0"]])
+                                  ["--dtype", "fp32"], ["--repeats", "0"],
+                                  ["--json", "/nonexistent/dir/x.json"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv, "prog")

@@ -11,7 +11,7 @@ import types
 from hmoe.bench import membw
 from hmoe.bench import _gpu_bench
 from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err, time_calls
-from hmoe.bench._report import progress, table_header
+from hmoe.bench._report import output_file, positive_int, progress, table_header
 from hmoe.ops.mla import D_CKV, D_PE
 from hmoe import _reference
 from hmoe.backends.flashinfer import HOPPER
@@ -244,10 +244,11 @@ def parse_args(argv, prog):
                    help="load the cache with cp.async where the TMA would be used (sets HMOE_MLA_TMA=0)")
     p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
-    p.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth buffer in MiB (default 2048)")
+    p.add_argument("--copy-mib", type=positive_int, default=None, help="copy-bandwidth buffer in MiB (default 2048)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="write a roofline plot (needs matplotlib)")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
+    p.add_argument("--plot", metavar="PATH.png", type=output_file,
+                   help="write a roofline plot (needs matplotlib)")
     opts = p.parse_args(argv)
     try:
         opts.shape_list = parse_shapes(opts.shapes)

@@ -11,7 +11,8 @@ import statistics
 import sys
 import time
 
-from hmoe.bench._report import progress, table_header
+from hmoe import _threads
+from hmoe.bench._report import int_range, output_file, progress, table_header
 
 CPU_GOAL_US = 10.0  # issue goal for the CPU ops' host time per call on the GPU machine's host
 CUSTOM_OP_GOAL_US = 5.0  # issue goal: what the torch custom-op path (hmoe.ops.library) may add per call
@@ -276,11 +277,12 @@ def parse_args(argv, prog):
         "and the launch), against flashinfer's run() for mla_decode when flashinfer imports."))
     p.add_argument("--calls", type=int, default=200, help="calls per timed block (default 200)")
     p.add_argument("--blocks", type=int, default=25, help="timed blocks; the median block is reported (default 25)")
-    p.add_argument("--threads", type=int, default=None, help="hmoe's CPU threads (default: hmoe.get_num_threads())")
+    p.add_argument("--threads", type=int_range(1, _threads.MAX_THREADS, " (hmoe.set_num_threads' range)"),
+                   default=None, help="hmoe's CPU threads (default: hmoe.get_num_threads())")
     p.add_argument("--cpu-only", action="store_true", help="leave the GPU ops out")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print a cProfile of N calls of each op (where the host time goes)")
-    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
     opts = p.parse_args(argv)
     if opts.calls < 1 or opts.blocks < 1 or opts.profile < 0:
         p.error("--calls and --blocks must be positive, --profile >= 0")

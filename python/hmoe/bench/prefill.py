@@ -12,7 +12,7 @@ from hmoe.backends.flashinfer import HOPPER
 from hmoe.bench import membw
 from hmoe.bench import _gpu_bench
 from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err, time_calls
-from hmoe.bench._report import progress, table_header
+from hmoe.bench._report import output_file, progress, table_header
 
 # Named batches of sequences (queries = keys per request: a prompt's prefill): 16k tokens each.
 PRESETS = {"4x4096": [4096] * 4, "mix16k": [5000, 3000, 2600, 2000, 1500, 1000, 700, 400, 184]}
@@ -255,7 +255,7 @@ def parse_args(argv, prog):
                    help=f"flashinfer backends to time, comma list of {', '.join(BACKENDS)} (default all)")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
     opts = p.parse_args(argv)
     try:
         lens = [(item, parse_lens(item)) for item in (t.strip() for t in opts.shapes.split(",")) if item]
