@@ -98,6 +98,16 @@ def test_the_decision_is_cached(device, caplog):
     assert mla.route(0, 128, 64) is mla.route(0, 128, 64) is not first
 
 
+def test_a_device_may_be_given_as_an_ordinal_a_string_or_a_torch_device(device):
+    device(F.H200)
+    served = mla.route(0, 128, 64)
+    assert mla.route("cuda:0", 128, 64) is served and mla.route(torch.device("cuda", 0), 128, 64) is served
+    assert mla.plan("cuda:0", 4, 128, 8, 64) == mla.plan(0, 4, 128, 8, 64)
+    for bad in ("cpu", torch.device("cpu"), "gpu0", 1.0, None):
+        with pytest.raises(ValueError, match="expected a CUDA device"):
+            mla.route(bad, 128, 64)
+
+
 @pytest.mark.parametrize("how", ["arg", "env"])
 def test_forcing_a_family_on_a_shape_it_declines_is_an_error(device, monkeypatch, how):
     device(F.H200)

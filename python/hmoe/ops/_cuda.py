@@ -24,6 +24,21 @@ def device_index(torch, device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def ordinal(device) -> int:
+    """A CUDA device given as an int ordinal, "cuda", "cuda:N" or a torch.device, as its ordinal (the
+    public functions that take a device: mla.route, mla.plan, prefill.plan)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    torch = V.torch_module()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"expected a CUDA device (an int ordinal, 'cuda:N' or a torch.device), got {device!r}")
+    return device_index(torch, dev)
+
+
 def capturing(torch, index: int) -> bool:
     """Whether the current stream of cuda:<index> is capturing a CUDA graph."""
     with torch.cuda.device(index):
