@@ -417,6 +417,20 @@ def test_both_mla_families_per_device_and_shape(env, monkeypatch):
     assert "1x64x128 page 64: unknown: hmoe._native.sm90a cannot say" in text
 
 
+def test_a_forced_family_that_declines_a_simulated_shape_is_an_error(env, monkeypatch):
+    # route() refuses HMOE_CUDA_VARIANT=sm90a for a shape sm90a declines; the simulation says the same
+    _two_mla_families(monkeypatch)
+    monkeypatch.setenv("HMOE_CUDA_VARIANT", "sm90a")
+    rep, text = run(simulate_gpu=["9.0"], mla_shapes=[(64, 4096, 16, 64), (64, 4096, 128, 64)])
+    runs = {p["shape"]: (p["variant"], p["reason"]) for p in rep["plans"]}
+    assert runs["64x4096x128 page 64"][0] == "sm90a"
+    variant, reason = runs["64x4096x16 page 64"]
+    assert variant is None and reason.startswith("mla_decode: HMOE_CUDA_VARIANT='sm90a' does not serve 16 heads "
+                                                 "with page size 64 on cuda:0")
+    assert reason.endswith("few heads are memory-bound; the 'portable' variant serves this shape (force it, or "
+                           "leave the choice to hmoe)")
+
+
 def test_plans_from_the_gpu_child_name_the_variant(env, monkeypatch):
     # What the torch child reports on a real GPU (probes._CHILD): the route and the plan per shape.
     _two_mla_families(monkeypatch)

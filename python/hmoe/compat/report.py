@@ -251,9 +251,12 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
 def _simulated_routes(rows, shapes) -> list:
     """--mla-shape with --simulate-gpu: which variant would run each shape on each simulated device
     (hmoe.ops.mla.route's rule, asked of the selected family's installed module: it depends on the
-    shape alone); the plan needs the real GPU."""
+    shape alone; a family forced by HMOE_CUDA_VARIANT that declines the shape is route's error); the
+    plan needs the real GPU."""
+    from .. import _env
     from ..ops import mla
 
+    forced = _env.get("HMOE_CUDA_VARIANT")
     out = []
     for r in (r for r in rows if r["op"] == "mla_decode" and r["device"] != "cpu"):
         for B, S, H, page in shapes:
@@ -262,6 +265,8 @@ def _simulated_routes(rows, shapes) -> list:
                 why, err = _guard(lambda: load(r["module"]).mla_decode_declines(H, page))
                 if err:  # the rule is the module's: without it, which variant runs the shape is unknown
                     variant, reason = None, f"unknown: hmoe._native.{r['module']} cannot say ({err})"
+                elif why and r["variant"] == forced:
+                    variant, reason = None, mla.forced_declined(forced, "HMOE_CUDA_VARIANT=", H, page, r["device"], why)
                 elif why:
                     variant, reason = mla.FALLBACK, mla.declined_reason(r["variant"], H, page, why)
             out.append({"device": r["device"], "shape": f"{B}x{S}x{H} page {page}", "variant": variant,

@@ -84,6 +84,12 @@ def declined_reason(family: str, heads: int, page_size: int, why: str) -> str:
     return f"fallback: {family} declines {heads} heads, page size {page_size}: {why}"
 
 
+def forced_declined(variant: str, source: str, heads: int, page_size: int, device: str, why: str) -> str:
+    """What forcing (`source`: "variant=" or "HMOE_CUDA_VARIANT=") a family on a shape it declines is."""
+    return (f"mla_decode: {source}{variant!r} does not serve {heads} heads with page size {page_size} on {device}: "
+            f"{why}; the {FALLBACK!r} variant serves this shape (force it, or leave the choice to hmoe)")
+
+
 def route(index, heads: int, page_size: int, variant: str | None = None, *,
           own: bool = False) -> dispatch.Selection:
     """Which variant runs mla_decode calls of `heads` heads and page size `page_size` on cuda:<index>
@@ -100,10 +106,8 @@ def route(index, heads: int, page_size: int, variant: str | None = None, *,
         why = declines(sel, heads, page_size)
         if why:
             if sel.variant == (variant or key[4]):
-                source = "variant=" if variant else "HMOE_CUDA_VARIANT="
-                raise ValueError(f"mla_decode: {source}{sel.variant!r} does not serve {heads} heads with page size "
-                                 f"{page_size} on {sel.device}: {why}; the {FALLBACK!r} variant serves this shape "
-                                 f"(force it, or leave the choice to hmoe)")
+                raise ValueError(forced_declined(sel.variant, "variant=" if variant else "HMOE_CUDA_VARIANT=", heads,
+                                                 page_size, sel.device, why))
             sel = dataclasses.replace(_cuda.select("mla_decode", index, FALLBACK, own=True),
                                       reason=declined_reason(sel.variant, heads, page_size, why))
             dispatch.log.info("hmoe: mla_decode on %s: %s", sel.device, sel.reason)
