@@ -20,3 +20,8 @@ def load(name: str) -> dict:
     except (OSError, ValueError) as e:
         raise RuntimeError(f"hmoe's package data {path} is missing or corrupt ({type(e).__name__}: {e}): "
                            "reinstall hmoe (pip install --force-reinstall --no-deps hmoe)") from None
+
+
+def gpu_ops() -> list:
+    """Every op some CUDA kernel family of arch/gpu.json implements, sorted."""
+    return sorted({op for fam in load("gpu").get("kernel_families", {}).values() for op in fam.get("ops", {})})

@@ -10,7 +10,7 @@ def prewarm(device=None) -> None:
     their kernels' shared-memory limits. Safe to call many times; a call inside graph capture is
     refused by the ops themselves, so call this before capturing. `device`: None, an int ordinal,
     a string like "cuda:1" or "cpu", or a torch.device."""
-    from . import _native
+    from . import _arch, _native
     from .ops import experts as _experts
 
     _experts.module(_experts.select())
@@ -36,7 +36,7 @@ def prewarm(device=None) -> None:
     from .ops import _cuda, mla
 
     index = _cuda.device_index(torch, device)
-    for op in ("grouped_topk", "mla_decode", "mla_rope_append", "decode_linear", "rms_norm", "ragged_prefill", "paged_prefill"):
+    for op in _arch.gpu_ops():
         _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
     # mla_decode runs the shapes its selected family declines on the fallback family (mla.route)
     _cuda.prewarm(index, _cuda.select("mla_decode", index, mla.FALLBACK, own=True).module)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import hmoe
-from hmoe import _native, compat
+from hmoe import _arch, _native, compat
 from hmoe._native import spec
 from hmoe.compat import probes, render
 
@@ -164,6 +164,10 @@ def test_simulated_gpus_and_cpu(env):
         assert reasons["cuda:3 (simulated GPU, 7.5)"] == "unsupported: 7.5 < 8.0"
         assert reasons["cuda:4 (simulated GPU, 12.0)"] == "native: sm_120 SASS"
         assert reasons["cuda:5 (simulated GPU, 12.1)"] == "fallback: sm_120 SASS on 12.1 (same major)"
+    else:  # a build without GPU kernels lists every GPU op, each saying why none runs
+        gpu_rows = [r for r in rep["selections"] if r["device"].startswith("cuda:1 ")]
+        assert sorted(r["op"] for r in gpu_rows) == _arch.gpu_ops() and "mla_decode" in _arch.gpu_ops()
+        assert all(r["reason"] == "no GPU kernels in this build (HMOE_CUDA=OFF)" for r in gpu_rows)
     assert rep["exit_code"] == 1 and "[simulated]" in text
 
 

@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                         "page size default 64) on each CUDA device; repeatable")
     c.add_argument("--selftest", action="store_true",
                    help="run each selected variant once on small random inputs against a reference")
-    c.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    c.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the text report: auto (default) when stdout is a terminal and NO_COLOR is unset")
     return p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import platform
 
-from .. import _threads, dispatch
+from .. import _arch, _threads, dispatch
 from .._build_info import module_name
 from .._native import NativeModuleError, load, mark_failed
 from ..hardware import cpu as _cpu
@@ -215,7 +215,8 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     rows = []
     failed = {}  # (reason, fix) -> ([devices], [ops]): one problem for what many rows share
     kernels = manifest.get("cuda_kernels", {})
-    ops = sorted({e["op"] for e in kernels.values()}) or ["grouped_topk"]
+    # A build without GPU kernels still lists every GPU op (each then says why none runs).
+    ops = sorted({e["op"] for e in kernels.values()}) or _arch.gpu_ops()
     families = {op: sorted(e["family"] for e in kernels.values() if e["op"] == op) for op in ops}
     devices = [(d.label, d.compute_capability, det.driver_cuda) for d in det.visible]
     if not det.ok and torch_info.get("devices"):
