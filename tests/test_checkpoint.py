@@ -223,3 +223,15 @@ def test_scales_beside_a_weight_that_is_not_fp8_are_refused(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{p}up_proj.weight has dtype torch.bfloat16 but "
                                                    f"{p}up_proj.weight_scale_inv beside it")):
         hmoe.load_experts(str(tmp_path), 1, progress=False)
+
+
+def test_an_index_that_names_the_wrong_shard_is_named(tmp_path):
+    _per_expert(tmp_path, [(8, 16)] * 2)
+    safetensors.save_file({"other": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    names = list(safetensors.safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
+    wrong = "model.layers.1.mlp.experts.1.down_proj.weight"
+    weight_map = {n: "other.safetensors" if n == wrong else "model.safetensors" for n in names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=re.escape(f"layer 1: {wrong} is not in {tmp_path / 'other.safetensors'}, "
+                                                   "the shard model.safetensors.index.json names for it")):
+        hmoe.load_experts(str(tmp_path), 1, progress=False)

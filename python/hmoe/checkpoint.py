@@ -56,7 +56,7 @@ class _Reader:
     the messages."""
 
     def __init__(self, names: dict, path: str, layer: int):
-        self.names, self.path, self.layer, self._file, self._handle = names, path, layer, None, None
+        self.names, self.path, self.layer, self._file, self._handle, self._keys = names, path, layer, None, None, set()
 
     def _open(self, name: str):
         from safetensors import safe_open
@@ -66,6 +66,10 @@ class _Reader:
         f = self.names[name]
         if f != self._file:
             self._handle, self._file = safe_open(f, "pt"), f
+            self._keys = set(self._handle.keys())
+        if name not in self._keys:  # the index names a shard that does not hold it
+            raise ValueError(f"load_experts: layer {self.layer}: {name} is not in {f}, the shard "
+                             f"model.safetensors.index.json names for it")
         return self._handle
 
     def shape(self, name: str) -> tuple:
