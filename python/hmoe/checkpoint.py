@@ -75,6 +75,10 @@ class _Reader:
     def shape(self, name: str) -> tuple:
         return tuple(self._open(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str):
+        """The tensor's dtype, from an empty slice: no data read."""
+        return self._open(name).get_slice(name)[0:0].dtype
+
     def get(self, name: str, expert: int | None = None):
         """The tensor, or only its matrix `expert` when it is a fused [E, ...] stack."""
         h = self._open(name)
@@ -144,7 +148,7 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
                              "[E, 2I, H] and [E, H, I] with the same E >= 1")
         E = gs[0]
         get = (lambda e: (_weight(reader, gu_name, fp8_block, e), _weight(reader, down_name, fp8_block, e)))
-        src_dtype = reader.get(gu_name, 0).dtype
+        src_dtype = reader.dtype(gu_name)
     else:
         E = len(ids)
         if ids != list(range(E)):
@@ -164,7 +168,7 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
                                  f"{tuple(u.shape)}, down {tuple(d.shape)} do not fit [I, H], [I, H], [H, I]")
             return torch.cat([g, u]), d
 
-        src_dtype = reader.get(f"{pre}0.gate_proj.weight").dtype
+        src_dtype = reader.dtype(f"{pre}0.gate_proj.weight")
     if dtype is None:
         dtype = torch.bfloat16 if src_dtype == torch.float8_e4m3fn else src_dtype
     bar = _bar(E, f"layer {layer} experts", progress)

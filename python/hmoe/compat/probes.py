@@ -122,7 +122,8 @@ class Child:
             self.proc.kill()
             self.proc.communicate()
             # a limit the user set is named: it, not the child, may be what is wrong
-            set_by = f" (HMOE_COMPAT_TIMEOUT={_env_timeout()[0]:g})" if _env_timeout()[0] is not None else ""
+            user_limit, _ = _env_timeout()
+            set_by = f" (HMOE_COMPAT_TIMEOUT={user_limit:g})" if user_limit is not None else ""
             return None, f"took over {self.timeout:g} s{set_by}"
         try:
             return json.loads(out.strip().splitlines()[-1]), None
