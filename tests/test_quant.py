@@ -174,6 +174,21 @@ def test_unpickled_fp8_runs_in_cpu_experts():
     assert torch.equal(hmoe.CPUExperts(t13, t2)(x, ids, w), hmoe.CPUExperts(q13, q2)(x, ids, w))
 
 
+def test_cpu_experts_take_fp8_blocks_larger_than_the_matrix():
+    # block=(2**64, 64): one scale per 64 columns over all of each matrix's rows, the same weights as
+    # block=(rows of the matrix, 64); the sizes given to the module are bounded by the matrix.
+    gen = torch.Generator().manual_seed(8)
+    E, H, I, T, K = 3, 128, 64, 4, 2
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen)
+    huge = [quant.quantize(w, "fp8", block=(2 ** 64, 64)) for w in (w13, w2)]
+    exact = [quant.quantize(w, "fp8", block=(w.shape[1], 64)) for w in (w13, w2)]
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
+    w = torch.rand(T, K, generator=gen)
+    got, want = hmoe.CPUExperts(*huge)(x, ids, w), hmoe.CPUExperts(*exact)(x, ids, w)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
 def test_pickle_states():
     qw = quant.quantize(_w(5, 64), "int4", group_size=32)
     state = qw.__getstate__()

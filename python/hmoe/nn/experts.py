@@ -35,7 +35,9 @@ def _quant_args(w13: QuantizedWeights, w2: QuantizedWeights):
         N, K = qw.shape[-2:]
         data = qw.data if qw.data.dtype == torch.uint8 else qw.data.view(torch.uint8)
         if qw.format == "fp8":
-            rows, cols = qw.block
+            # A block larger than the matrix covers it whole (hmoe.quant's rule): bounded here so that the
+            # sizes reach the module as the matrix's, whatever block=(2**64, ...) was given.
+            rows, cols = min(qw.block[0], N), min(qw.block[1], K)
         else:
             rows, cols = 1, qw.group_size or K
         args.append((data.contiguous(), qw.scales.float().contiguous(), qw.kernel_group, rows, cols))
