@@ -253,7 +253,7 @@ def _simulated_routes(rows, shapes) -> list:
     """--mla-shape with --simulate-gpu: which variant would run each shape on each simulated device
     (hmoe.ops.mla.route's rule, asked of the selected family's installed module: it depends on the
     shape alone; a family forced by HMOE_CUDA_VARIANT that declines the shape is route's error); the
-    plan needs the real GPU."""
+    plan needs the real GPU, and a device no variant serves (a build without GPU kernels) says why."""
     from .. import _env
     from ..ops import mla
 
@@ -270,8 +270,10 @@ def _simulated_routes(rows, shapes) -> list:
                     variant, reason = None, mla.forced_declined(forced, "HMOE_CUDA_VARIANT=", H, page, r["device"], why)
                 elif why:
                     variant, reason = mla.FALLBACK, mla.declined_reason(r["variant"], H, page, why)
+            error = ("plans need the real GPU (not with --simulate-gpu)" if r["ok"] else
+                     f"no variant runs it: {r['reason']}")  # e.g. a build without GPU kernels
             out.append({"device": r["device"], "shape": f"{B}x{S}x{H} page {page}", "variant": variant,
-                        "reason": reason, "plan": None, "error": "plans need the real GPU (not with --simulate-gpu)"})
+                        "reason": reason, "plan": None, "error": error})
     return out
 
 
