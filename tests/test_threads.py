@@ -180,15 +180,32 @@ def test_sleeping_workers_keep_off_the_callers_cpu(two_threads):
     # cannot put it on the caller's CPU (cpp/common/thread_pool.cpp, AwayFromCaller): each named
     # worker may use every CPU of this process but one.
     x, ids, w, w13, w2 = random_problem(64, 512, 256, 8, 2, torch.float32, torch.bfloat16)
-    hmoe.CPUExperts(w13, w2)(x, ids, w)  # about 6 MB of weights: both threads take part
+    experts = hmoe.CPUExperts(w13, w2)
+    experts(x, ids, w)  # about 6 MB of weights: both threads take part
     time.sleep(0.05)  # the workers spin 50 us after a job, then sleep
     allowed = os.sched_getaffinity(0)
-    masks = {}
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            name = f.read().strip()
-        if name.startswith("hmoe-cpu-"):
-            masks[name] = os.sched_getaffinity(int(tid))
-    assert masks, "no hmoe-cpu-N worker thread found"
-    for name, mask in masks.items():
+
+    def worker_masks():
+        masks = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith("hmoe-cpu-"):
+                masks[name] = os.sched_getaffinity(int(tid))
+        assert masks, "no hmoe-cpu-N worker thread found"
+        return masks
+
+    for name, mask in worker_masks().items():
         assert mask < allowed and len(mask) == len(allowed) - 1, (name, sorted(mask), sorted(allowed))
+    # The caller moves from one CPU to another between jobs (as a thread does after a sleep): the
+    # workers are kept off the CPU it calls from now (the caller moves their masks before it wakes
+    # them, and each worker again before it sleeps), never left on it.
+    try:
+        for cpu in sorted(allowed)[:2]:
+            os.sched_setaffinity(0, {cpu})  # this thread only
+            experts(x, ids, w)
+            time.sleep(0.05)
+            for name, mask in worker_masks().items():
+                assert mask == allowed - {cpu}, (name, cpu, sorted(mask), sorted(allowed))
+    finally:
+        os.sched_setaffinity(0, allowed)

@@ -14,6 +14,8 @@
 #ifdef __linux__
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace hmoe {
@@ -49,29 +51,51 @@ uint64_t gate_of(uint64_t job) { return (job & 0xffffffffu) << 32; }
 // 2-thread job ran none or all of its tasks in most calls (tools/experts_tune, V2-Lite int4 decode,
 // cold calls: 1.55-1.65 ms, one thread doing the work; 0.98-1.10 ms with this). So before it sleeps
 // a worker takes the caller's CPU out of its mask (one sched_setaffinity when the caller's CPU has
-// changed since its last sleep) and the wake-up places it elsewhere. The CPUs it may use are those
-// it started with; with a single one, or off Linux, nothing changes.
+// changed since its last sleep) and the wake-up places it elsewhere. A caller that has moved to
+// another CPU since then (after its own sleep, say) would find the worker's mask holding only its
+// new CPU on a 2-vCPU machine, the worker waiting behind it for a time slice (tools/experts_tune
+// on the 2-core Zen 3 VM, V3 int4 decode, cold: the worker's first task 1.4-5.3 ms into GEMM1, on
+// the caller's CPU, in half of the calls), so the caller moves the sleeping workers' masks off its
+// CPU itself before it wakes them (a sched_setaffinity per worker, only when the caller has moved).
+// The CPUs a worker may use are those it started with; with a single one, or off Linux, nothing
+// changes.
 class ThreadPool::AwayFromCaller {
  public:
 #ifdef __linux__
-  AwayFromCaller() { usable_ = sched_getaffinity(0, sizeof(allowed_), &allowed_) == 0 && CPU_COUNT(&allowed_) > 1; }
+  AwayFromCaller() : tid_(pid_t(syscall(SYS_gettid))) {
+    usable_ = sched_getaffinity(0, sizeof(allowed_), &allowed_) == 0 && CPU_COUNT(&allowed_) > 1;
+  }
+  // From the worker or the caller: this worker's mask without `cpu`.
   void avoid(int cpu) {
-    if (!usable_ || cpu == avoided_) return;
+    if (!usable_ || cpu == avoided_.load(std::memory_order_acquire)) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (cpu == avoided_.load(std::memory_order_relaxed)) return;
     cpu_set_t mask = allowed_;
     if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_CLR(cpu, &mask);
-    if (CPU_COUNT(&mask) > 0 && sched_setaffinity(0, sizeof(mask), &mask) == 0) avoided_ = cpu;
+    if (CPU_COUNT(&mask) > 0 && sched_setaffinity(tid_, sizeof(mask), &mask) == 0)
+      avoided_.store(cpu, std::memory_order_release);
   }
   static int current_cpu() { return sched_getcpu(); }
 
  private:
+  const pid_t tid_;
   cpu_set_t allowed_{};
   bool usable_ = false;
-  int avoided_ = -2;  // the CPU the mask leaves out now (-1: none left out)
+  std::mutex mu_;
+  std::atomic<int> avoided_{-2};  // the CPU the mask leaves out now (-1: none left out)
 #else
   void avoid(int) {}
   static int current_cpu() { return -1; }
 #endif
 };
+
+// The caller's CPU, for the workers' masks: stored, and every worker's mask moved off it (a
+// syscall only for a worker whose mask leaves out another CPU). Under mu_.
+void ThreadPool::place_workers() {
+  const int cpu = AwayFromCaller::current_cpu();
+  caller_cpu_.store(cpu);
+  for (AwayFromCaller* a : aways_) a->avoid(cpu);
+}
 
 ThreadPool& ThreadPool::instance() {
   return ProcessSingleton<ThreadPool>::get([] { return new ThreadPool(); });
@@ -125,7 +149,13 @@ void ThreadPool::await_job(uint64_t seen, AwayFromCaller& away) {
   while (!spin_until(changed)) {
     const uint32_t s = signal_.load();
     sleepers_.fetch_add(1);
-    away.avoid(caller_cpu_.load(std::memory_order_relaxed));
+    // Again if the caller moved meanwhile (its place_workers may have set this mask first).
+    for (int cpu = caller_cpu_.load();;) {
+      away.avoid(cpu);
+      const int now = caller_cpu_.load();
+      if (now == cpu) break;
+      cpu = now;
+    }
     if (!changed()) futex_wait(&signal_, s);
     sleepers_.fetch_sub(1);
   }
@@ -136,6 +166,10 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
   pthread_setname_np(pthread_self(), ("hmoe-cpu-" + std::to_string(id)).substr(0, 15).c_str());  // top -H, ps -L
 #endif
   AwayFromCaller away;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    aways_.push_back(&away);  // the worker never ends (the pool lives as long as the process)
+  }
   for (;;) {
     await_job(seen, away);
     seen = job_.load(std::memory_order_acquire);
@@ -161,8 +195,8 @@ void ThreadPool::wake(int n_threads) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     ensure_workers(n_threads - 1);
+    place_workers();
   }
-  caller_cpu_.store(AwayFromCaller::current_cpu(), std::memory_order_relaxed);
   signal();
 }
 
@@ -175,10 +209,10 @@ void ThreadPool::parallel_for(int64_t n_tasks, int n_threads, const std::functio
   }
   std::lock_guard<std::mutex> job(submit_mu_);
   const uint64_t id = job_.load(std::memory_order_relaxed) + 1;
-  caller_cpu_.store(AwayFromCaller::current_cpu(), std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);
     ensure_workers(n_threads - 1);
+    place_workers();
     error_ = nullptr;
   }
   // No worker is inside the previous job (its gate is closed and empty), so these are ours to set.

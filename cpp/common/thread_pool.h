@@ -47,12 +47,14 @@ class ThreadPool {
   void worker_loop(int id, uint64_t seen);
   void await_job(uint64_t seen, AwayFromCaller& away);
   void signal();
+  void place_workers();
   void run_tasks(int worker);
 
   std::mutex submit_mu_;  // one job at a time
   std::mutex mu_;         // workers_ and error_; the caller's sleep when a task outlasts its spin
   std::condition_variable cv_done_;
   std::vector<std::thread> workers_;
+  std::vector<AwayFromCaller*> aways_;  // each worker's, registered when it starts (under mu_)
   // A job is published by bumping job_ (after its fields and gate_ are set). Workers that find
   // it enter through gate_: (job & 0xffffffff) << 32 | closed << 31 | workers inside. When the
   // caller runs out of tasks it closes the gate and waits only for the workers inside (each
@@ -64,7 +66,8 @@ class ThreadPool {
   std::atomic<uint32_t> signal_{0};
   std::atomic<int> sleepers_{0};
   // The CPU the caller of the last job or wake() ran on (-1: unknown): a sleeping worker keeps off
-  // it (see AwayFromCaller in thread_pool.cpp).
+  // it, and the caller moves the workers off its CPU when it has moved (see AwayFromCaller in
+  // thread_pool.cpp).
   std::atomic<int> caller_cpu_{-1};
   std::atomic<int> active_workers_{0};  // workers (excluding the caller) that may take part
   const std::function<void(int64_t, int)>* fn_ = nullptr;

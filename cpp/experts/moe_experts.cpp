@@ -19,6 +19,10 @@
 #include "experts/pack.h"
 #include "experts/panel.h"
 
+#if defined(HMOE_PHASE_TIMING) && defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace hmoe {
 namespace HMOE_ISA {
 
@@ -28,6 +32,10 @@ namespace HMOE_ISA {
 double g_phase_ms[5];
 // Per GEMM phase (0: GEMM1, 1: GEMM2): each worker's time inside tasks, in ms (workers < 64).
 double g_busy_ms[2][64];
+// ... and when each worker started its first task (ms into the phase; -1: none) and on which CPU
+// (-1 where unknown): a worker that wakes late, or on the caller's CPU, shows there.
+double g_first_ms[2][64];
+int g_cpu[2][64];
 #endif
 
 namespace {
@@ -45,8 +53,17 @@ struct PhaseClock {
 template <typename F>
 auto busy_timed(int phase, F&& fn) {
   for (double& b : g_busy_ms[phase]) b = 0;
-  return [phase, fn](int64_t task, int w) {
+  for (double& b : g_first_ms[phase]) b = -1;
+  return [phase, fn, start = std::chrono::steady_clock::now()](int64_t task, int w) {
     const auto t0 = std::chrono::steady_clock::now();
+    if (w < 64 && g_first_ms[phase][w] < 0) {
+      g_first_ms[phase][w] = std::chrono::duration<double, std::milli>(t0 - start).count();
+#ifdef __linux__
+      g_cpu[phase][w] = sched_getcpu();
+#else
+      g_cpu[phase][w] = -1;
+#endif
+    }
     fn(task, w);
     if (w < 64)
       g_busy_ms[phase][w] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

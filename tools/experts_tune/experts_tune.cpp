@@ -10,8 +10,9 @@
 // when the call comes). threads: the op's thread count (default: std::thread::hardware_concurrency()).
 // routings: the calls cycle through this many random routings, as the bench's do (default 16; 1:
 // every call routes the same, so that with a large last-level cache the weights may stay cached).
-// HMOE_TUNE_EACH=1 (environment) also prints every call: its time, its GEMM phases and each thread's
-// time inside GEMM1's tasks (a thread that got its CPU late shows as the short one).
+// HMOE_TUNE_EACH=1 (environment) also prints every call: its time, its GEMM phases and, per phase,
+// each thread's time inside tasks, when it started its first task and on which CPU (a worker that
+// woke late, or on the caller's CPU, shows there).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -36,6 +37,8 @@
 namespace hmoe::HMOE_ISA {
 extern double g_phase_ms[5];
 extern double g_busy_ms[2][64];
+extern double g_first_ms[2][64];
+extern int g_cpu[2][64];
 }  // namespace hmoe::HMOE_ISA
 
 using namespace hmoe;
@@ -204,10 +207,14 @@ int main(int argc, char** argv) {
     if (r == 0) continue;
     total.push_back(ms);
     for (int i = 0; i < 5; ++i) ph[size_t(i)].push_back(HMOE_ISA::g_phase_ms[i]);
-    if (std::getenv("HMOE_TUNE_EACH")) {  // every call: its time and each thread's time in GEMM1's tasks
-      std::printf("  call %d: %.3f ms, gemm1 %.3f, gemm2 %.3f; in gemm1 tasks:", r, ms, HMOE_ISA::g_phase_ms[1],
-                  HMOE_ISA::g_phase_ms[3]);
-      for (int w = 0; w < std::min(threads, 64); ++w) std::printf(" %.3f", HMOE_ISA::g_busy_ms[0][w]);
+    if (std::getenv("HMOE_TUNE_EACH")) {  // every call: its time; per GEMM phase and thread, its time in tasks
+      std::printf("  call %d: %.3f ms, gemm1 %.3f, gemm2 %.3f; thread: ms in tasks (first task at ms, on cpu)", r, ms,
+                  HMOE_ISA::g_phase_ms[1], HMOE_ISA::g_phase_ms[3]);
+      for (int g = 0; g < 2; ++g) {
+        std::printf(" | gemm%d:", g + 1);
+        for (int w = 0; w < std::min(threads, 64); ++w)
+          std::printf(" %.2f (%.3f, %d)", HMOE_ISA::g_busy_ms[g][w], HMOE_ISA::g_first_ms[g][w], HMOE_ISA::g_cpu[g][w]);
+      }
       std::printf("\n");
     }
     for (int g = 0; g < 2; ++g) {  // workers' time inside GEMM tasks
