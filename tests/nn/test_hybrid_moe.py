@@ -378,3 +378,76 @@ def test_an_empty_batch_gives_an_empty_output():
         with torch.no_grad():
             y = block(torch.randn(*shape))
         assert y.shape == shape and y.dtype == torch.float32
+
+
+def _other_moe(name, **kw):
+    """A random 2-layer MoE model of another family (Mixtral, Qwen2-MoE): fused experts and a `gate`, like
+    DeepSeek's blocks, but another routing."""
+    config = getattr(models.transformers, name, None)
+    if config is None:
+        pytest.skip(f"this transformers has no {name}")
+    torch.manual_seed(0)
+    cfg = config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, **kw)
+    return models.transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("name,kw", [("MixtralConfig", dict(num_local_experts=4)),
+                                     ("Qwen2MoeConfig", dict(num_experts=4, moe_intermediate_size=32,
+                                                             shared_expert_intermediate_size=32))])
+def test_moe_blocks_of_other_models_are_refused_not_miscomputed(name, kw):
+    # Mixtral renormalises its top-k softmax weights and Qwen2-MoE gates its shared expert: patched as
+    # DeepSeek blocks they computed logits 3-5% off in fp32. Their experts still run through
+    # experts_implementation="hmoe", which keeps the model's routing.
+    m = _other_moe(name, num_experts_per_tok=2, **kw)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = _logits(m, ids)
+    with pytest.raises(ValueError, match="has no DeepSeek-V2/V3 MoE block .*routes differently"):
+        hn.patch_model(m, progress=False)
+    block = next(mod for mod in m.modules() if hasattr(mod, "gate") and hasattr(mod, "experts"))
+    with pytest.raises(TypeError, match=f"{type(block).__name__} is not a DeepSeek-V2/V3 MoE block .*routes differently"):
+        hn.HybridMoE.from_hf(block)
+    assert not _moe(m) and torch.equal(_logits(m, ids), ref)
+    m.set_experts_implementation(hn.register_experts_implementation())
+    assert _rel(_logits(m, ids), ref) <= _reference.tolerance("hybrid_model_logits", torch.float32)
+
+
+def test_experts_implementation_refuses_experts_that_are_not_silu():
+    # transformers 5's fused experts keep no config: their act_fn says what they compute (hmoe ran silu
+    # in place of gelu, 1.6% off, without a word)
+    m = _other_moe("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, hidden_act="gelu")
+    m.set_experts_implementation(hn.register_experts_implementation())
+    with pytest.raises(ValueError, match="experts_implementation='hmoe': the experts use 'gelu'"):
+        _logits(m, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_weights_on_the_meta_device_are_refused():
+    with torch.device("meta"):
+        m = models.transformers.DeepseekV3ForCausalLM(models.v3_config())
+    with pytest.raises(ValueError, match="gate_weight, w13, w2 are on the meta device, without data"):
+        hn.patch_model(m, progress=False)
+    m = models.model("v2")
+    models.moe_blocks(m)[0].experts.to("meta")  # experts offloaded, the router loaded
+    with pytest.raises(ValueError, match="w13, w2 are on the meta device"):
+        hn.patch_model(m, progress=False)
+
+
+def test_gpu_experts_count_of_any_int_type_and_bad_calibration():
+    m = models.model("v2")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    # a numpy count: the calibration run happens (it was skipped, and HybridMoE asked for routing_counts)
+    report = hn.patch_model(copy.deepcopy(m), gpu_experts=np.int64(2), calibration=ids, progress=False)
+    assert [b.gpu_experts for b in report.blocks] == [b.gpu_experts for b in hn.patch_model(
+        copy.deepcopy(m), gpu_experts=2, calibration=ids, progress=False).blocks]
+    for bad, err in ((ids.float(), ValueError), (ids[:, :0], ValueError), (ids.tolist(), TypeError)):
+        with pytest.raises(err, match="calibration must be input ids"):
+            hn.patch_model(m, gpu_experts=2, calibration=bad, progress=False)
+    assert not _moe(m)
+
+
+def test_fp8_with_a_group_size_is_refused():
+    # fp8 is scaled per (128, 128) block: a group_size was dropped without a word
+    m = models.model("v3")
+    with pytest.raises(ValueError, match="fp8 is scaled per block"):
+        hn.patch_model(m, quant="fp8", group_size=32, progress=False)
+    assert not _moe(m)

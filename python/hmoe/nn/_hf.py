@@ -14,9 +14,18 @@ def _is_linear_mlp(m) -> bool:
     return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def is_moe_block(module) -> bool:
-    """A DeepSeek-V2/V3 MoE block of transformers or of the remote-code checkpoints: a router `gate` with a
-    weight [E, H] and routed `experts` (fused gate_up_proj / down_proj, or a list of MLPs)."""
+# transformers' DeepSeek routers, whose routing router_options reproduces. Other MoE blocks of the same
+# shape (Mixtral, Qwen2/3-MoE, ...) route differently (softmax over the top k, a gated shared expert, ...).
+_HF_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")
+
+
+def _is_deepseek_router(gate) -> bool:
+    return type(gate).__name__ in _HF_ROUTERS or hasattr(gate, "scoring_func")  # or the remote-code MoEGate
+
+
+def _has_moe_shape(module) -> bool:
+    """A router `gate` with a weight [E, H] and routed `experts` (fused gate_up_proj / down_proj, or a list
+    of MLPs), whoever's routing it is."""
     gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
     if not isinstance(getattr(gate, "weight", None), torch.Tensor) or experts is None:
         return False
@@ -26,9 +35,27 @@ def is_moe_block(module) -> bool:
         e is None or _is_linear_mlp(e) for e in experts)
 
 
-def _act_name(module, experts) -> str | None:
+def is_moe_block(module) -> bool:
+    """A DeepSeek-V2/V3 MoE block of transformers or of the remote-code checkpoints: an MoE block whose
+    router is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter or the remote-code MoEGate."""
+    return _has_moe_shape(module) and _is_deepseek_router(module.gate)
+
+
+def _other_router(module) -> str:
+    """Why an MoE block of another model is not patched, for the messages."""
+    return (f"its router {type(module.gate).__name__} routes differently from DeepSeek's ({', '.join(_HF_ROUTERS)} or "
+            "the remote-code MoEGate), and hmoe computes DeepSeek's routing only")
+
+
+def _check_silu(module, experts, who: str) -> None:
+    """Raises unless the experts compute silu(gate) * up, as hmoe's do: the activation the config names,
+    else the experts' own act_fn (transformers 5's fused experts keep no config)."""
     cfg = getattr(module, "config", None) or getattr(experts, "config", None)
-    return getattr(cfg, "hidden_act", None)
+    act, fn = getattr(cfg, "hidden_act", None), getattr(experts, "act_fn", None)
+    if act is None and isinstance(fn, torch.nn.Module):
+        act = "silu" if isinstance(fn, torch.nn.SiLU) or type(fn).__name__ == "SiLUActivation" else type(fn).__name__
+    if act not in (None, "silu", "swish"):
+        raise ValueError(f"{who}: the experts use {act!r}; hmoe's experts compute silu(gate) * up")
 
 
 def expert_weights(experts):
@@ -90,11 +117,9 @@ def router_options(gate) -> dict:
 def block_arguments(module) -> dict:
     """HybridMoE's arguments (without the placement options) for a DeepSeek MoE block."""
     if not is_moe_block(module):
-        raise TypeError(f"HybridMoE.from_hf: {type(module).__name__} is not a DeepSeek-V2/V3 MoE block (a module "
-                        "with a router `gate` and routed `experts`)")
-    act = _act_name(module, module.experts)
-    if act not in (None, "silu", "swish"):
-        raise ValueError(f"HybridMoE.from_hf: the experts use {act!r}; hmoe's experts compute silu(gate) * up")
+        why = _other_router(module) if _has_moe_shape(module) else "a module with a router `gate` and routed `experts`"
+        raise TypeError(f"HybridMoE.from_hf: {type(module).__name__} is not a DeepSeek-V2/V3 MoE block ({why})")
+    _check_silu(module, module.experts, "HybridMoE.from_hf")
     w13, w2 = expert_weights(module.experts)
     return dict(gate_weight=module.gate.weight.detach(), w13=w13, w2=w2,
                 shared_experts=getattr(module, "shared_experts", None), **router_options(module.gate))
@@ -193,6 +218,14 @@ def _count_routing(model, blocks, calibration):
     """Routing counts per block from one forward of the original model on `calibration`."""
     from .. import ops
 
+    if isinstance(calibration, torch.Tensor):
+        if calibration.is_floating_point() or calibration.is_complex() or calibration.numel() == 0:
+            raise ValueError(f"hmoe.nn.patch_model: calibration must be input ids (an integer tensor with some tokens) or "
+                             f"a dict of model inputs, got a {calibration.dtype} tensor of shape "
+                             f"{tuple(calibration.shape)}")
+    elif not isinstance(calibration, dict):
+        raise TypeError("hmoe.nn.patch_model: calibration must be input ids (an integer tensor) or a dict of model "
+                        f"inputs, got {type(calibration).__name__}")
     counts, hooks = {}, []
     for name, block in blocks:
         opts = router_options(block.gate)
@@ -243,9 +276,11 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     "int4", "fp8"; group_size) quantises the CPU experts' weights as they are packed (HybridMoE).
     fuse_norms swaps the model's DeepSeek RMSNorms for FusedRMSNorm (same result, the mean and the
     scaling in one kernel: between two layers' CPU experts the GPU's serial work is dozens of small
-    kernels). A model without MoE blocks is a ValueError; a model patched before gives a report saying so.
+    kernels). A model without DeepSeek MoE blocks is a ValueError (other MoE families, e.g. Mixtral or
+    Qwen-MoE, route differently: experts_implementation="hmoe" runs their experts); a model patched before
+    gives a report saying so.
     """
-    from .hybrid import HybridMoE
+    from .hybrid import HybridMoE, is_count
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"hmoe.nn.patch_model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -256,10 +291,13 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
             warnings.warn(f"hmoe.nn.patch_model: the model was patched before ({done} HybridMoE blocks); nothing "
                           "to do", stacklevel=2)
             return PatchReport([], done, None, "-", 0)
-        raise ValueError(f"hmoe.nn.patch_model: {type(model).__name__} has no DeepSeek-V2/V3 MoE block (a module with "
-                         "a router `gate` and routed `experts`); nothing to patch")
+        other = next((m for m in model.modules() if _has_moe_shape(m)), None)
+        why = (f"{type(other).__name__}: {_other_router(other)}" if other is not None else
+               "a module with a router `gate` and routed `experts`")
+        raise ValueError(f"hmoe.nn.patch_model: {type(model).__name__} has no DeepSeek-V2/V3 MoE block ({why}); nothing "
+                         "to patch")
     counts = {}
-    if isinstance(gpu_experts, int) and not isinstance(gpu_experts, bool) and gpu_experts > 0:
+    if is_count(gpu_experts) and gpu_experts > 0:
         if calibration is None:
             raise ValueError("hmoe.nn.patch_model: gpu_experts as a count is chosen from routing statistics: pass "
                              "calibration= (input ids or a dict of model inputs), or give expert ids")
@@ -316,6 +354,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     key = (w.data_ptr(), w._version, self.down_proj.data_ptr(), self.down_proj._version)
     cached = getattr(self, "_hmoe_experts", None)
     if cached is None or cached[0] != key:
+        _check_silu(self, self, f"experts_implementation='{EXPERTS_IMPLEMENTATION}'")
         w13, w2 = expert_weights(self)
         cached = (key, CPUExperts(w13.contiguous(), w2.contiguous()))
         object.__setattr__(self, "_hmoe_experts", cached)  # not a submodule, not in the state dict
@@ -327,7 +366,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 def register_experts_implementation() -> str:
     """Registers hmoe in transformers' ExpertsInterface; then `experts_implementation="hmoe"` in
     from_pretrained, or model.set_experts_implementation("hmoe"), runs a model's experts (weights on
-    the CPU) through hmoe. Returns the name. Safe to call more than once."""
+    the CPU) through hmoe: the model's own routing, experts computing silu(gate) * up (others are a
+    ValueError at their first forward). Returns the name. Safe to call more than once."""
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as e:

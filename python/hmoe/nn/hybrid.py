@@ -64,6 +64,11 @@ class HybridMoE(torch.nn.Module):
             if not isinstance(t, torch.Tensor) or t.dim() != ndim:
                 raise TypeError(f"HybridMoE: {name} must be a {ndim}-d torch tensor, got "
                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        meta = [name for name, t in (("gate_weight", gate_weight), ("w13", w13), ("w2", w2)) if t.is_meta]
+        if meta:
+            raise ValueError(f"HybridMoE: {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, "
+                             "without data (a model built under torch.device('meta'), or weights offloaded by "
+                             "accelerate's hooks): load the weights into memory first")
         E, H = gate_weight.shape
         if tuple(w13.shape[::2]) != (E, H) or w13.shape[1] % 2 or tuple(w2.shape[:2]) != (E, H) \
                 or w2.shape[2] * 2 != w13.shape[1]:
@@ -100,9 +105,8 @@ class HybridMoE(torch.nn.Module):
             if gpu:
                 c13, c2 = c13[cpu], c2[cpu]
             c13, c2 = c13.contiguous(), c2.contiguous()
-            if quant is not None:
-                kw = {} if quant == "fp8" else {"group_size": group_size}
-                c13, c2 = hquant.quantize(c13, quant, **kw), hquant.quantize(c2, quant, **kw)
+            if quant is not None:  # group_size with fp8 (scaled per block) is quantize's error, not ignored
+                c13, c2 = (hquant.quantize(c, quant, group_size=group_size) for c in (c13, c2))
             self.experts = CPUExperts(c13, c2, isa=isa)
         self._jobs: dict = {}
         self._side: dict = {}
@@ -278,12 +282,17 @@ class HybridMoE(torch.nn.Module):
                 f"gpu_experts={G}")
 
 
+def is_count(gpu_experts) -> bool:
+    """gpu_experts given as a count (any integer, numpy's too, but not a bool) rather than expert ids."""
+    return isinstance(gpu_experts, numbers.Integral) and not isinstance(gpu_experts, bool)
+
+
 def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
     if gpu_experts is None:
         return []
     if isinstance(gpu_experts, bool):
         raise TypeError("HybridMoE: gpu_experts must be a list of expert ids or a count, not a bool")
-    if isinstance(gpu_experts, numbers.Integral):
+    if is_count(gpu_experts):
         n = int(gpu_experts)
         if not 0 <= n < E:
             raise ValueError(f"HybridMoE: gpu_experts = {n} must be in [0, {E}) (at least one expert on the CPU)")
