@@ -235,3 +235,21 @@ def test_an_index_that_names_the_wrong_shard_is_named(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"layer 1: {wrong} is not in {tmp_path / 'other.safetensors'}, "
                                                    "the shard model.safetensors.index.json names for it")):
         hmoe.load_experts(str(tmp_path), 1, progress=False)
+
+
+def test_arguments_it_cannot_honour_are_refused(saved, tmp_path):
+    path, _ = saved
+    # the layers listed are those with routed experts (layer 0, dense, was listed as an MoE layer)
+    for layer in (0, 3):
+        with pytest.raises(KeyError, match=r"MoE layers seen: \['model.layers.1', 'model.layers.2'\]"):
+            hmoe.load_experts(str(path), layer, progress=False)
+    # a dtype CPUExperts does not take (torch.int8 truncated every weight to 0 without a word)
+    for dtype in (torch.int8, "bfloat16"):
+        with pytest.raises(ValueError, match="dtype must be None"):
+            hmoe.load_experts(str(path), 1, dtype=dtype, progress=False)
+    # fp8 is scaled per block: a group_size was dropped without a word
+    with pytest.raises(ValueError, match="fp8 is scaled per block"):
+        hmoe.load_experts(str(path), 1, quant="fp8", group_size=32, progress=False)
+    # a file that is not safetensors (safetensors' own "header too large" before)
+    with pytest.raises(ValueError, match=r"config.json' is not a safetensors file"):
+        hmoe.load_experts(str(path / "config.json"), 1, progress=False)

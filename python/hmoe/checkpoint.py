@@ -23,7 +23,7 @@ import sys
 
 def _shards(path: str) -> dict:
     """tensor name -> shard file for a checkpoint directory or a single .safetensors file."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if os.path.isfile(path):
         files = [path]
@@ -46,8 +46,11 @@ def _shards(path: str) -> dict:
         raise FileNotFoundError(f"load_experts: no .safetensors file in {path!r}")
     names = {}
     for f in files:
-        with safe_open(f, "pt") as s:
-            names.update({k: f for k in s.keys()})
+        try:
+            with safe_open(f, "pt") as s:
+                names.update({k: f for k in s.keys()})
+        except SafetensorError as e:
+            raise ValueError(f"load_experts: {f!r} is not a safetensors file ({e})") from None
     return names
 
 
@@ -128,6 +131,9 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
         raise ValueError(f"load_experts: layer must be a non-negative int, got {layer!r}")
     if quant not in (None, "int8", "int4", "fp8"):
         raise ValueError(f"load_experts: quant must be None, 'int8', 'int4' or 'fp8', got {quant!r}")
+    if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"load_experts: dtype must be None (the checkpoint's), torch.float32, torch.float16 or "
+                         f"torch.bfloat16 (hmoe.CPUExperts' float weights), got {dtype!r}")
     try:
         names = _shards(path)
     except ImportError as e:
@@ -138,7 +144,8 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
     gu_name, down_name = pre + "gate_up_proj", pre + "down_proj"
     fused = gu_name in names or down_name in names
     if not ids and not fused:
-        near = sorted({k.split(".mlp.")[0] for k in names if ".mlp." in k})[:5]
+        near = sorted({k.split(".mlp.experts.")[0] for k in names if ".mlp.experts." in k},
+                      key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])[:5]
         raise KeyError(f"load_experts: no routed experts under {pre!r} in {path!r} (MoE layers seen: "
                        f"{near or 'none'})")
     if fused:
@@ -182,8 +189,8 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
             w13[e].copy_(a)
             w2[e].copy_(b)
         else:
-            kw = {"block": fp8_block} if quant == "fp8" else {"group_size": group_size}
-            qa, qb = q.quantize(a, quant, **kw), q.quantize(b, quant, **kw)
+            # group_size with fp8 (scaled per block) is quantize's error, not ignored
+            qa, qb = (q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in (a, b))
             if w13 is None:
                 w13, w2 = _stack_like(qa, E), _stack_like(qb, E)
             for dst, src in ((w13, qa), (w2, qb)):
