@@ -451,3 +451,24 @@ def test_fp8_with_a_group_size_is_refused():
     with pytest.raises(ValueError, match="fp8 is scaled per block"):
         hn.patch_model(m, quant="fp8", group_size=32, progress=False)
     assert not _moe(m)
+
+
+def test_state_dict_round_trip_carries_the_routed_experts(tmp_path):
+    # The routed experts were in no state dict: load_state_dict into another patched model said "All keys
+    # matched" and left its experts as they were (logits 15% off), and save_pretrained dropped them.
+    src, dst = models.model("v3", seed=0), models.model("v3", seed=7)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(8))
+    hn.patch_model(src, progress=False)
+    hn.patch_model(dst, progress=False)
+    want = _logits(src, ids)
+    torch.save(src.state_dict(), tmp_path / "sd.pt")
+    sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert sd["model.layers.1.mlp.experts.w13_packed"].dtype == torch.uint8
+    dst.load_state_dict(sd)
+    assert torch.equal(_logits(dst, ids), want)
+    with pytest.raises(RuntimeError, match="Missing key.*experts.w13_packed"):  # a state dict without them
+        dst.load_state_dict({k: v for k, v in sd.items() if "packed" not in k})
+    other = models.model("v3")
+    hn.patch_model(other, quant="int8", progress=False)
+    with pytest.raises(RuntimeError, match="the packed experts .* do not fit this module's"):
+        other.load_state_dict(sd)

@@ -52,6 +52,10 @@ class HybridMoE(torch.nn.Module):
     weights are quantised with hmoe.quant.quantize (group_size as there; fp8 in (128, 128) blocks)
     and run by the quantised kernels (their precision contract: hmoe.ops.experts); GPU-resident
     experts keep the original weights.
+
+    The state dict holds the CPU experts as packed (experts.w13_packed, experts.w2_packed, uint8, and
+    experts.layout): load_state_dict takes them from a module built with the same quant, group_size and
+    gpu_experts, and refuses others.
     """
 
     def __init__(self, gate_weight, w13, w2, *, top_k: int, n_group: int = 1, topk_group: int = 1,
@@ -274,6 +278,40 @@ class HybridMoE(torch.nn.Module):
             err = job.error()
             if err:
                 raise RuntimeError(f"HybridMoE: the CPU experts failed in an earlier step (its output was NaN): {err}")
+
+    # --- state dict ----------------------------------------------------------------------------------------
+    # The CPU experts are no module: without these a state dict held no routed expert (save_pretrained wrote a
+    # checkpoint without them) and load_state_dict reported every key matched while they stayed as they were.
+    # They travel packed (every ISA module packs the same layout) with their layout, which must match on load.
+
+    _PACKED = ("experts.w13_packed", "experts.w2_packed", "experts.layout")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        e = self.experts
+        for key, t in zip(self._PACKED, (e._w13, e._w2, torch.tensor(e._dims, dtype=torch.int64))):
+            destination[prefix + key] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        keys = [prefix + k for k in self._PACKED]
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in keys]
+        if not all(k in state_dict for k in keys):
+            if strict:
+                missing_keys.extend(k for k in keys if k not in state_dict)
+            return
+        w13, w2, layout = (state_dict[k] for k in keys)
+        e = self.experts
+        if layout.tolist() != list(e._dims) or w13.shape != e._w13.shape or w2.shape != e._w2.shape:
+            error_msgs.append(f"HybridMoE {prefix!r}: the packed experts (format code, E, H, I, k groups) "
+                              f"{layout.tolist()} do not fit this module's {list(e._dims)}: patch the model with the "
+                              "same quant, group_size and gpu_experts as the one saved")
+            return
+        with torch.no_grad():
+            e._w13.copy_(w13)
+            e._w2.copy_(w2)
 
     def extra_repr(self) -> str:
         G = 0 if self.gpu_w13 is None else self.gpu_w13.shape[0]
