@@ -472,3 +472,22 @@ def test_state_dict_round_trip_carries_the_routed_experts(tmp_path):
     hn.patch_model(other, quant="int8", progress=False)
     with pytest.raises(RuntimeError, match="the packed experts .* do not fit this module's"):
         other.load_state_dict(sd)
+
+
+def test_deepseek_v32_blocks_are_patched():
+    # DeepSeek-V3.2's MoE block and router are V3's code under another name
+    config = getattr(models.transformers, "DeepseekV32Config", None)
+    if config is None:
+        pytest.skip("this transformers has no DeepseekV32Config")
+    torch.manual_seed(0)
+    m = models.transformers.AutoModelForCausalLM.from_config(config(**{**models.COMMON, "n_shared_experts": 1,
+                                                                       "num_experts_per_tok": 4})).eval()
+    for mod in m.modules():
+        if type(mod).__name__.endswith("TopkRouter"):
+            with torch.no_grad():
+                mod.weight.normal_(0, models.ROUTER_STD)
+                mod.e_score_correction_bias.normal_(0, 0.1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = _logits(m, ids)
+    assert hn.patch_model(m, progress=False).swapped == 2
+    assert _rel(_logits(m, ids), ref) <= _reference.tolerance("hybrid_model_logits", torch.float32)

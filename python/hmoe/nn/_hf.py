@@ -16,7 +16,7 @@ def _is_linear_mlp(m) -> bool:
 
 # transformers' DeepSeek routers, whose routing router_options reproduces. Other MoE blocks of the same
 # shape (Mixtral, Qwen2/3-MoE, ...) route differently (softmax over the top k, a gated shared expert, ...).
-_HF_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")
+_HF_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "DeepseekV32TopkRouter")
 
 
 def _is_deepseek_router(gate) -> bool:
@@ -37,7 +37,8 @@ def _has_moe_shape(module) -> bool:
 
 def is_moe_block(module) -> bool:
     """A DeepSeek-V2/V3 MoE block of transformers or of the remote-code checkpoints: an MoE block whose
-    router is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter or the remote-code MoEGate."""
+    router is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter (DeepseekV32TopkRouter: the same code) or
+    the remote-code MoEGate."""
     return _has_moe_shape(module) and _is_deepseek_router(module.gate)
 
 
