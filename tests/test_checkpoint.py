@@ -253,3 +253,13 @@ def test_arguments_it_cannot_honour_are_refused(saved, tmp_path):
     # a file that is not safetensors (safetensors' own "header too large" before)
     with pytest.raises(ValueError, match=r"config.json' is not a safetensors file"):
         hmoe.load_experts(str(path / "config.json"), 1, progress=False)
+    # a group_size without quant was dropped without a word
+    with pytest.raises(ValueError, match="group_size=64 applies to quant='int8' or 'int4'"):
+        hmoe.load_experts(str(path), 1, group_size=64, progress=False)
+
+
+def test_a_numpy_layer_index_is_taken(saved):
+    np = pytest.importorskip("numpy")
+    path, blocks = saved
+    w13, _ = hmoe.load_experts(str(path), np.int64(1), progress=False)
+    assert torch.equal(w13, blocks[0].experts.gate_up_proj.detach())

@@ -16,6 +16,7 @@ index or tensors that do not fit each other are errors that name the tensor and 
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import sys
@@ -127,10 +128,14 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
 
     from . import quant as q
 
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0:
         raise ValueError(f"load_experts: layer must be a non-negative int, got {layer!r}")
+    layer = int(layer)
     if quant not in (None, "int8", "int4", "fp8"):
         raise ValueError(f"load_experts: quant must be None, 'int8', 'int4' or 'fp8', got {quant!r}")
+    if quant is None and group_size is not None:
+        raise ValueError(f"load_experts: group_size={group_size!r} applies to quant='int8' or 'int4'; with quant=None "
+                         "the experts come back as float tensors")
     if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"load_experts: dtype must be None (the checkpoint's), torch.float32, torch.float16 or "
                          f"torch.bfloat16 (hmoe.CPUExperts' float weights), got {dtype!r}")

@@ -264,6 +264,30 @@ def test_static_cache_decoder_matches_generate(kind):
         hn.GraphDecoder(m, batch_size=2, max_cache_len=32)
 
 
+def test_decoder_refuses_what_it_cannot_run():
+    m = models.model("v3")
+    hn.patch_model(m, progress=False)
+    with pytest.raises(TypeError, match="model must be a transformers causal LM"):
+        hn.GraphDecoder(torch.nn.Linear(4, 4), batch_size=1, max_cache_len=16, capture=False)
+    for kw in ({"batch_size": 0, "max_cache_len": 16}, {"batch_size": 1, "max_cache_len": -1},
+               {"batch_size": 1.5, "max_cache_len": 16}, {"batch_size": True, "max_cache_len": 16}):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            hn.GraphDecoder(m, capture=False, **kw)
+    dec = hn.GraphDecoder(m, batch_size=2, max_cache_len=16, capture=False)
+    with pytest.raises(RuntimeError, match=r"call prefill\(input_ids\) first"):  # it decoded from an empty cache
+        dec.step(torch.zeros(2, dtype=torch.long))
+    dec.prefill(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="ids must be a tensor of 2 token ids"):
+        dec.step(torch.zeros(3, dtype=torch.long))
+    assert dec.step(torch.zeros(2, dtype=torch.long)).shape[0] == 2
+
+
+def test_group_size_without_quant_is_refused():
+    m = models.model("v3")
+    with pytest.raises(ValueError, match="group_size=64 applies to quant='int8' or 'int4'"):
+        hn.patch_model(m, group_size=64, progress=False)
+
+
 def test_decoder_passes_the_cache_under_the_forwards_own_name():
     """transformers renamed the forward's past_key_values to cache (the old name warns): GraphDecoder
     uses whichever name the model's forward declares."""

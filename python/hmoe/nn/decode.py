@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
 
 import torch
 
@@ -56,6 +57,12 @@ class GraphDecoder:
                  attention: str = "auto"):
         from transformers import StaticCache
 
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"GraphDecoder: model must be a transformers causal LM (a torch.nn.Module with a "
+                            f"config), got {type(model).__name__}")
+        for name, v in (("batch_size", batch_size), ("max_cache_len", max_cache_len)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"GraphDecoder: {name} must be a positive int, got {v!r}")
         self.model, self.batch, self.max_len, self.capture = model, int(batch_size), int(max_cache_len), capture
         self.device = next(model.parameters()).device
         if self.device.type != "cuda" and capture:
@@ -112,6 +119,11 @@ class GraphDecoder:
         return logits
 
     def step(self, ids):
+        if self.length == 0:
+            raise RuntimeError("GraphDecoder.step: no prompt in the cache; call prefill(input_ids) first")
+        if not isinstance(ids, torch.Tensor) or ids.numel() != self.batch:
+            raise ValueError(f"GraphDecoder.step: ids must be a tensor of {self.batch} token ids (one a sequence), got "
+                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
         if self.length >= self.max_len:
             raise ValueError(f"GraphDecoder.step: the cache is full ({self.max_len} tokens)")
         self._ids.copy_(ids.view(self.batch, 1))

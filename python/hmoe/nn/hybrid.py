@@ -73,6 +73,9 @@ class HybridMoE(torch.nn.Module):
             raise ValueError(f"HybridMoE: {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, "
                              "without data (a model built under torch.device('meta'), or weights offloaded by "
                              "accelerate's hooks): load the weights into memory first")
+        if quant is None and group_size is not None:
+            raise ValueError(f"HybridMoE: group_size={group_size!r} applies to quant='int8' or 'int4'; with quant=None "
+                             "the CPU experts keep the weights' dtype")
         E, H = gate_weight.shape
         if tuple(w13.shape[::2]) != (E, H) or w13.shape[1] % 2 or tuple(w2.shape[:2]) != (E, H) \
                 or w2.shape[2] * 2 != w13.shape[1]:
