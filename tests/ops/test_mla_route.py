@@ -103,7 +103,9 @@ def test_a_device_may_be_given_as_an_ordinal_a_string_or_a_torch_device(device):
     served = mla.route(0, 128, 64)
     assert mla.route("cuda:0", 128, 64) is served and mla.route(torch.device("cuda", 0), 128, 64) is served
     assert mla.plan("cuda:0", 4, 128, 8, 64) == mla.plan(0, 4, 128, 8, 64)
-    for bad in ("cpu", torch.device("cpu"), "gpu0", 1.0, None):
+    # "cuda" is torch's current device (0 here), also where torch has no CUDA (not an AssertionError)
+    assert mla.route("cuda", 128, 64) is served and mla.route(torch.device("cuda"), 128, 64) is served
+    for bad in ("cpu", torch.device("cpu"), "gpu0", 1.0, None, -1, True):
         with pytest.raises(ValueError, match="expected a CUDA device"):
             mla.route(bad, 128, 64)
 

@@ -21,13 +21,18 @@ def cuda_index(t) -> int:
 
 
 def device_index(torch, device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    """The ordinal of a CUDA torch.device; "cuda" without one is torch's current device, or 0 when this
+    torch has no CUDA (torch.cuda.current_device() would fail with a bare AssertionError: the selection
+    for device 0 then says what is missing)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def ordinal(device) -> int:
     """A CUDA device given as an int ordinal, "cuda", "cuda:N" or a torch.device, as its ordinal (the
     public functions that take a device: mla.route, mla.plan, prefill.plan)."""
-    if isinstance(device, int) and not isinstance(device, bool):
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
         return device
     torch = V.torch_module()
     try:
