@@ -108,6 +108,18 @@ def test_fake_impls_raise_what_the_eager_ops_raise(case):
     assert str(got.value) == str(want.value)
 
 
+@pytest.mark.parametrize("case", [c for c in _bad_calls() if c[0].startswith("mla")], ids=lambda c: c[0])
+def test_cuda_ops_on_cpu_tensors_raise_what_the_eager_op_raises(case):
+    # not torch's "Could not run 'hmoe::mla_decode' with arguments from the 'CPU' backend"
+    _, eager, (op, args) = case
+    with pytest.raises((TypeError, ValueError)) as want:
+        eager()
+    for custom in (op, library.mla_decode_lse):
+        with pytest.raises(want.type) as got:
+            custom(*args)
+        assert str(got.value) == str(want.value)
+
+
 def test_fake_packed_checks_layout_and_weights():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -16,9 +16,9 @@ Importing this module registers, once (importing again, or importlib.reload, reu
       cpu_experts_op(experts, x, topk_ids, topk_weights) calls it for a CPUExperts
   hmoe::mla_decode(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table,
                    Tensor seq_lens, float sm_scale, str? variant) -> Tensor
-      out [B, H, 512] in q's dtype (CUDA kernel)
+      out [B, H, 512] in q's dtype (CUDA kernel; CPU tensors get the eager op's error)
   hmoe::mla_decode_lse(the same arguments) -> (Tensor, Tensor)
-      out as above and lse [B, H] fp32: hmoe.ops.mla_decode(..., return_lse=True) (CUDA kernel)
+      out as above and lse [B, H] fp32: hmoe.ops.mla_decode(..., return_lse=True) (as mla_decode)
 
 Each kernel calls the eager op of hmoe.ops (same checks, same kernels, bit-identical results). Each op
 has a fake (meta) implementation that derives the outputs' shapes, dtypes and devices only: it loads no
@@ -214,6 +214,9 @@ def _mla_decode_lse_fake(*args):
 # dispatcher cost about a microsecond a call.
 _MLA_ARGS = ("(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor page_table, Tensor seq_lens, "
              "float sm_scale, str? variant)")
-mla_decode = _define("mla_decode" + _MLA_ARGS + " -> Tensor", {"CUDA": _mla_decode_op}, _mla_decode_fake)
-mla_decode_lse = _define("mla_decode_lse" + _MLA_ARGS + " -> (Tensor, Tensor)", {"CUDA": _mla_decode_lse_op},
-                         _mla_decode_lse_fake)
+# CUDA kernels; at the CPU key too, where the eager op's checks name the argument that is not on a CUDA
+# device (torch's dispatcher would say only that the op has no CPU kernel).
+mla_decode = _define("mla_decode" + _MLA_ARGS + " -> Tensor", {"CUDA": _mla_decode_op, "CPU": _mla_decode_op},
+                     _mla_decode_fake)
+mla_decode_lse = _define("mla_decode_lse" + _MLA_ARGS + " -> (Tensor, Tensor)",
+                         {"CUDA": _mla_decode_lse_op, "CPU": _mla_decode_lse_op}, _mla_decode_lse_fake)
