@@ -60,12 +60,14 @@ def test_experts_ops(x_dtype, w_dtype, ids_dtype, shape):
 
 
 def _bad_calls():
-    """(id, eager call, the custom op's arguments) of calls the eager op refuses on rank, dtype or device."""
+    """(id, eager call, the custom op's arguments) of calls the eager op refuses on rank, dtype or device
+    (and grouped_topk on its sizes and scalars: top_k shapes its outputs)."""
     f32, i32 = torch.float32, torch.int32
     e = lambda *s, dtype=f32: torch.empty(*s, dtype=dtype)  # noqa: E731
-    topk = lambda lg, bias=None, scoring="softmax": (  # noqa: E731
-        lambda: hmoe.ops.grouped_topk(lg, 2, scoring=scoring, bias=bias),
-        (library.grouped_topk, (lg, 2, 1, 1, scoring, bias, True, 1.0)))
+    topk = lambda lg, bias=None, scoring="softmax", k=2, groups=1, kept=1, scale=1.0: (  # noqa: E731
+        lambda: hmoe.ops.grouped_topk(lg, k, n_group=groups, topk_group=kept, scoring=scoring, bias=bias,
+                                      routed_scaling_factor=scale),
+        (library.grouped_topk, (lg, k, groups, kept, scoring, bias, True, scale)))
     exp = lambda x, ids, w, w13, w2: (  # noqa: E731
         lambda: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2), (library.moe_experts_cpu, (x, ids, w, w13, w2, None)))
     ok = (e(1, 3), e(1, 2, dtype=i32), e(1, 2), e(2, 4, 3), e(2, 3, 2))
@@ -80,6 +82,16 @@ def _bad_calls():
         ("topk-scoring", *topk(e(3, 8), scoring="top")),
         ("topk-bias-softmax", *topk(e(3, 8), bias=e(8))),
         ("topk-bias-int", *topk(e(3, 8), bias=e(8, dtype=i32), scoring="sigmoid")),
+        ("topk-no-experts", *topk(e(3, 0))),
+        ("topk-k-above-experts", *topk(e(3, 8), k=9)),
+        ("topk-k-0", *topk(e(3, 8), k=0)),
+        ("topk-k-negative", *topk(e(3, 8), k=-1)),
+        ("topk-k-above-kept-groups", *topk(e(3, 8), k=5, groups=4, kept=2)),
+        ("topk-groups-not-dividing", *topk(e(3, 8), groups=3)),
+        ("topk-kept-above-groups", *topk(e(3, 8), groups=2, kept=3)),
+        ("topk-sigmoid-one-per-group", *topk(e(3, 8), scoring="sigmoid", groups=8)),
+        ("topk-bias-shape", *topk(e(3, 8), bias=e(7), scoring="sigmoid")),
+        ("topk-scale-nan", *topk(e(3, 8), scale=float("nan"))),
         ("experts-x-1d", *exp(e(3), *ok[1:])),
         ("experts-x-int", *exp(e(1, 3, dtype=i32), *ok[1:])),
         ("experts-ids-float", *exp(ok[0], e(1, 2), *ok[2:])),

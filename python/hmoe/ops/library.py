@@ -39,9 +39,12 @@ import this module; hmoe.nn does.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _native
+from .._native import spec
 from .._threads import get_num_threads
 from . import _cuda
 from . import experts as _experts
@@ -97,15 +100,45 @@ def _grouped_topk_cuda(*args):
     return _cuda.module(args[0].get_device(), "grouped_topk").grouped_topk(*args)
 
 
+_TOPK_MAX = spec.constants()["grouped_topk_max_experts"]
+
+
 def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor):
-    _check(router_logits, "grouped_topk: router_logits", 2, _FLOATS, "CPU or CUDA")
+    """The entry point's checks (cpp/topk/grouped_topk_entry.h), those of the sizes included: top_k shapes
+    the outputs, so a fake must not return [T, top_k] for a top_k the kernel refuses."""
+    op = "grouped_topk: "
+    _check(router_logits, op + "router_logits", 2, _FLOATS, "CPU or CUDA")
+    T, E = router_logits.shape
+    if not 1 <= E <= _TOPK_MAX:
+        raise ValueError(f"{op}router_logits has {E} experts (dim 1); supported: 1..{_TOPK_MAX}")
     if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"grouped_topk: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+        raise ValueError(f"{op}scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    for name, v in (("n_group", n_group), ("topk_group", topk_group), ("top_k", top_k)):
+        if not 0 <= v <= _TOPK_MAX:
+            raise ValueError(f"{op}{name} = {v} is outside the supported range [0, {_TOPK_MAX}]")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"{op}n_group={n_group} must be >= 1 and divide the number of experts {E}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"{op}topk_group={topk_group} must be in 1..n_group={n_group}")
+    group_size = E // n_group
+    if scoring == "sigmoid" and n_group > 1 and group_size < 2:
+        raise ValueError(f"{op}sigmoid scoring ranks groups by their two best experts, so n_group={n_group} must "
+                         f"leave >= 2 experts per group (E={E})")
+    if not 1 <= top_k <= topk_group * group_size:
+        raise ValueError(f"{op}top_k={top_k} must be in 1..{topk_group * group_size} (topk_group * experts per "
+                         f"group; E={E}, n_group={n_group})")
     if bias is not None:
         if scoring != "sigmoid":
-            raise ValueError("grouped_topk: bias (e_score_correction_bias) is only used with scoring='sigmoid'")
-        _check(bias, "grouped_topk: bias", -1, _FLOATS, "CPU or CUDA")
-    T = router_logits.shape[0]
+            raise ValueError(f"{op}bias (e_score_correction_bias) is only used with scoring='sigmoid'")
+        _check(bias, op + "bias", -1, _FLOATS, "CPU or CUDA")
+        if bias.dim() != 1 or bias.shape[0] != E:
+            raise ValueError(f"{op}bias must have shape ({E},), got {tuple(bias.shape)}")
+        if bias.device != router_logits.device:
+            raise ValueError(f"{op}bias is on {bias.device}, router_logits on {router_logits.device}; they must be "
+                             "on the same device")
+    if not math.isfinite(routed_scaling_factor) or abs(routed_scaling_factor) > 3.4028234663852886e38:
+        raise ValueError(f"{op}routed_scaling_factor must be finite in float32 (|x| <= 3.4e38), "
+                         f"got {routed_scaling_factor!r}")
     return (router_logits.new_empty((T, top_k), dtype=torch.float32),
             router_logits.new_empty((T, top_k), dtype=torch.int32))
 
