@@ -132,6 +132,64 @@ def test_cuda_ops_on_cpu_tensors_raise_what_the_eager_op_raises(case):
         assert str(got.value) == str(want.value)
 
 
+def _mla_shape_cases(make):
+    """(id, mla_decode's custom-op arguments with one size, dtype or scalar wrong, the error and message of
+    the eager op's checks) with tensors from make(*shape, dtype=...) on one CUDA device."""
+    bf, i32 = torch.bfloat16, torch.int32
+    B, H, P, page = 2, 16, 3, 64
+    ok = dict(q_nope=make(B, H, 512, dtype=bf), q_pe=make(B, H, 64, dtype=bf), ckv=make(P, page, 512, dtype=bf),
+              kpe=make(P, page, 64, dtype=bf), pt=make(B, 2, dtype=i32), lens=make(B, dtype=i32), sm_scale=0.1)
+    cases = [
+        ("q-dim", dict(q_nope=make(B, H, 256, dtype=bf)), ValueError,
+         "q_nope has shape (2, 16, 256): the last dimension must be 512"),
+        ("no-heads", dict(q_nope=make(B, 0, 512, dtype=bf), q_pe=make(B, 0, 64, dtype=bf)), ValueError,
+         "q_nope has 0 heads; mla_decode supports 1 to 128"),
+        ("129-heads", dict(q_nope=make(B, 129, 512, dtype=bf), q_pe=make(B, 129, 64, dtype=bf)), ValueError,
+         "q_nope has 129 heads; mla_decode supports 1 to 128"),
+        ("q_pe-shape", dict(q_pe=make(B, H, 32, dtype=bf)), ValueError, "q_pe has shape (2, 16, 32), expected (2, 16, 64)"),
+        ("q_pe-fp16", dict(q_pe=make(B, H, 64, dtype=torch.float16)), TypeError,
+         "q_pe has dtype float16, q_nope bfloat16: they must match"),
+        ("ckv-fp16", dict(ckv=make(P, page, 512, dtype=torch.float16)), TypeError,
+         "ckv_cache has dtype float16, q_nope bfloat16: they must match"),
+        ("ckv-dim", dict(ckv=make(P, page, 576, dtype=bf)), ValueError,
+         "ckv_cache has shape (3, 64, 576): the last dimension must be 512"),
+        ("no-pages", dict(ckv=make(0, page, 512, dtype=bf), kpe=make(0, page, 64, dtype=bf)), ValueError,
+         "ckv_cache has shape (0, 64, 512): no pages"),
+        ("kpe-shape", dict(kpe=make(P, 32, 64, dtype=bf)), ValueError, "kpe_cache has shape (3, 32, 64), expected (3, 64, 64)"),
+        ("page_table-batch", dict(pt=make(3, 2, dtype=i32)), ValueError,
+         "page_table has shape (3, 2), expected [2, max_pages >= 1]"),
+        ("seq_lens-batch", dict(lens=make(3, dtype=i32)), ValueError, "seq_lens has shape (3,), expected (2,)"),
+        ("sm_scale-nan", dict(sm_scale=float("nan")), ValueError, "sm_scale must be finite in float32 (|x| <= 3.4e38), got nan"),
+        ("sm_scale-inf", dict(sm_scale=float("inf")), ValueError, "sm_scale must be finite in float32 (|x| <= 3.4e38), got inf"),
+    ]
+    return [(name, tuple({**ok, **bad}.values()) + (None,), exc, msg) for name, bad, exc, msg in cases]
+
+
+_MLA_SHAPE_IDS = [c[0] for c in _mla_shape_cases(lambda *s, dtype: torch.empty(*s, dtype=dtype))]
+
+
+@pytest.mark.parametrize("i", range(len(_MLA_SHAPE_IDS)), ids=_MLA_SHAPE_IDS)
+def test_mla_fakes_refuse_the_sizes_the_eager_op_refuses(i):
+    # On fake CUDA tensors (no GPU needed): the fakes returned [B, H, 256] for a q_nope of last dimension 256
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        _, args, exc, msg = _mla_shape_cases(lambda *s, dtype: torch.empty(*s, dtype=dtype, device="cuda"))[i]
+        for op in (library.mla_decode, library.mla_decode_lse):
+            with pytest.raises(exc) as got:
+                op(*args)
+            assert str(got.value) == msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(len(_MLA_SHAPE_IDS)), ids=_MLA_SHAPE_IDS)
+def test_mla_fake_shape_messages_are_the_eager_ops(i):
+    _, args, exc, msg = _mla_shape_cases(lambda *s, dtype: torch.zeros(*s, dtype=dtype, device="cuda"))[i]
+    with pytest.raises(exc) as got:
+        hmoe.ops.mla_decode(*args[:6], sm_scale=args[6])
+    assert str(got.value) == msg
+
+
 def test_fake_packed_checks_layout_and_weights():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

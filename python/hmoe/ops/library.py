@@ -22,9 +22,9 @@ Importing this module registers, once (importing again, or importlib.reload, reu
 
 Each kernel calls the eager op of hmoe.ops (same checks, same kernels, bit-identical results). Each op
 has a fake (meta) implementation that derives the outputs' shapes, dtypes and devices only: it loads no
-native module and reads no data, and refuses a tensor of the wrong rank, dtype or device with the
-eager op's TypeError/ValueError and message. Custom ops are functional: there is no `out=` on this
-path (hmoe.ops' functions take it).
+native module and reads no data, and refuses a tensor of the wrong rank, dtype or device, and (grouped_topk,
+mla_decode) sizes and scalars the kernel refuses, with the eager op's TypeError/ValueError and message.
+Custom ops are functional: there is no `out=` on this path (hmoe.ops' functions take it).
 
 Not differentiable (inference only, like hmoe.ops): the ops register torch's fallthrough at the
 Autograd key, as torch asks of non-differentiable ops, so their outputs never require grad, exactly
@@ -48,6 +48,7 @@ from .._native import spec
 from .._threads import get_num_threads
 from . import _cuda
 from . import experts as _experts
+from .mla import D_CKV, D_PE, MAX_BATCH, MAX_HEADS
 from .mla import mla_decode as _mla
 
 _NS = "hmoe"
@@ -87,6 +88,12 @@ def _check(t, name: str, ndim: int, dtypes: tuple, where: str) -> None:
         raise TypeError(f"{name} must have dtype {', '.join(map(_name, dtypes))}; got {_name(t.dtype)}")
     if t.device.type not in _WHERE[where]:
         raise ValueError(f"{name} must be on the {where}, got device {t.device}")
+
+
+def _finite(x: float, name: str) -> None:
+    """The entry points' check of a float argument (cpp/bind/scalars.h float_arg): the kernels take fp32."""
+    if not math.isfinite(x) or abs(x) > 3.4028234663852886e38:
+        raise ValueError(f"{name} must be finite in float32 (|x| <= 3.4e38), got {x!r}")
 
 
 def _grouped_topk_cpu(*args):
@@ -136,9 +143,7 @@ def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias,
         if bias.device != router_logits.device:
             raise ValueError(f"{op}bias is on {bias.device}, router_logits on {router_logits.device}; they must be "
                              "on the same device")
-    if not math.isfinite(routed_scaling_factor) or abs(routed_scaling_factor) > 3.4028234663852886e38:
-        raise ValueError(f"{op}routed_scaling_factor must be finite in float32 (|x| <= 3.4e38), "
-                         f"got {routed_scaling_factor!r}")
+    _finite(routed_scaling_factor, op + "routed_scaling_factor")
     return (router_logits.new_empty((T, top_k), dtype=torch.float32),
             router_logits.new_empty((T, top_k), dtype=torch.int32))
 
@@ -230,11 +235,48 @@ def _mla_decode_lse_op(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens,
                 variant=variant)
 
 
+def _like_q(q_nope, t, name: str, dtype: bool) -> None:
+    """mla_decode's agreement of `t` with q_nope: its device (and its dtype)."""
+    if t.device != q_nope.device:
+        raise ValueError(f"{name} is on {t.device}, q_nope on {q_nope.device}: all inputs must share a device")
+    if dtype and t.dtype != q_nope.dtype:
+        raise TypeError(f"{name} has dtype {_name(t.dtype)}, q_nope {_name(q_nope.dtype)}: they must match")
+
+
 def _mla_decode_fake(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, variant):
-    for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
-        _check(t, name, 3, _HALVES, "CUDA")
-    _check(page_table, "page_table", 2, (torch.int32,), "CUDA")
-    _check(seq_lens, "seq_lens", 1, (torch.int32,), "CUDA")
+    """The entry point's checks that need no data (cuda/mla/mla_decode_entry.h), in its order: ranks, dtypes,
+    devices, the sizes that shape the outputs and those that must agree (not the 2^31 limits on a cache)."""
+    _check(q_nope, "q_nope", 3, _HALVES, "CUDA")
+    _check(q_pe, "q_pe", 3, _HALVES, "CUDA")
+    _like_q(q_nope, q_pe, "q_pe", True)
+    B, H, D = q_nope.shape
+    if D != D_CKV:
+        raise ValueError(f"q_nope has shape {tuple(q_nope.shape)}: the last dimension must be {D_CKV}")
+    if not 1 <= H <= MAX_HEADS:
+        raise ValueError(f"q_nope has {H} heads; mla_decode supports 1 to {MAX_HEADS}")
+    if tuple(q_pe.shape) != (B, H, D_PE):
+        raise ValueError(f"q_pe has shape {tuple(q_pe.shape)}, expected ({B}, {H}, {D_PE})")
+    for t, name, ndim, dtypes in ((ckv_cache, "ckv_cache", 3, _HALVES), (kpe_cache, "kpe_cache", 3, _HALVES),
+                                  (page_table, "page_table", 2, (torch.int32,)), (seq_lens, "seq_lens", 1, (torch.int32,))):
+        _check(t, name, ndim, dtypes, "CUDA")
+        _like_q(q_nope, t, name, False)
+    _like_q(q_nope, ckv_cache, "ckv_cache", True)
+    _like_q(q_nope, kpe_cache, "kpe_cache", True)
+    P, page, D = ckv_cache.shape
+    if D != D_CKV:
+        raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: the last dimension must be {D_CKV}")
+    if page < 1 or P < 1:
+        raise ValueError(f"ckv_cache has shape {tuple(ckv_cache.shape)}: no pages")
+    if tuple(kpe_cache.shape) != (P, page, D_PE):
+        raise ValueError(f"kpe_cache has shape {tuple(kpe_cache.shape)}, expected ({P}, {page}, {D_PE})")
+    if page_table.shape[0] != B or page_table.shape[1] < 1:
+        raise ValueError(f"page_table has shape {tuple(page_table.shape)}, expected [{B}, max_pages >= 1]")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}, expected ({B},)")
+    if B > MAX_BATCH:
+        raise ValueError(f"q_nope has batch {B}; the MLA kernels run at most {MAX_BATCH} requests a call (the CUDA "
+                         "grid's limit): split the batch")
+    _finite(sm_scale, "sm_scale")
     return q_nope.new_empty(q_nope.shape)
 
 
