@@ -118,6 +118,24 @@ def test_mla_decode_refuses_subclasses_without_a_gpu(kind):
         hmoe.ops.mla_decode(**a, sm_scale=0.1)
 
 
+def test_meta_tensors_are_refused_naming_the_device_the_op_wants():
+    # Not "must be on the CPU or CUDA" for an op that takes CUDA (or CPU) tensors only.
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    a = _mla_args("cpu")
+    with pytest.raises(ValueError, match=r"^q_nope must be on the CUDA, got device meta$"):
+        hmoe.ops.mla_decode(**{**a, "q_nope": meta(2, 16, 512)}, sm_scale=0.1)
+    q = meta(5, 16, 192)
+    with pytest.raises(ValueError, match=r"^q must be on the CUDA, got device meta$"):
+        hmoe.ops.ragged_prefill(q, q, q, a["seq_lens"], a["seq_lens"], sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"^x must be on the CUDA, got device meta$"):
+        hmoe.ops.decode_linear(meta(2, 64), meta(8, 64))
+    e = _experts_args()
+    with pytest.raises(ValueError, match=r"^x must be on the CPU, got device meta$"):
+        _call_functional({**e, "x": meta(5, 40, dtype=torch.float32)})
+    with pytest.raises(ValueError, match=r"^grouped_topk: router_logits must be on the CPU or CUDA, got device meta$"):
+        hmoe.ops.grouped_topk(meta(2, 8, dtype=torch.float32), 2)
+
+
 def test_parameters_are_plain_tensors():
     a = _experts_args()
     want_class, want_functional = _call_class(a), _call_functional(a)

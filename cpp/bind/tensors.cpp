@@ -55,8 +55,14 @@ std::string dtype_of(py::handle obj) {
              hint);
 }
 
-// Why a plain tensor could not be viewed (sparse, meta, nested...): said in torch's words.
-[[noreturn]] void unreadable(py::handle obj, const std::string& name, const std::string& why) {
+// Where an op wants a tensor, in its error messages.
+const char* where_name(Where where) {
+  return where == Where::kCpu ? "CPU" : where == Where::kCuda ? "CUDA" : "CPU or CUDA";
+}
+
+// Why a plain tensor could not be viewed (sparse, meta, nested...): said in torch's words; a device hmoe
+// cannot read (meta) as the device the op wants, as for any other device.
+[[noreturn]] void unreadable(py::handle obj, const std::string& name, const std::string& why, Where where) {
   PyErr_Clear();
   try {
     const std::string layout = py_str(obj.attr("layout"));
@@ -64,7 +70,7 @@ std::string dtype_of(py::handle obj) {
       type_error(name + " has layout " + layout + "; hmoe's ops take dense (strided) tensors (call .to_dense() first)");
     const std::string dev = py_str(obj.attr("device"));
     if (dev.rfind("cpu", 0) != 0 && dev.rfind("cuda", 0) != 0)
-      value_error(name + " must be on the CPU or CUDA, got device " + dev);
+      value_error(name + " must be on the " + where_name(where) + ", got device " + dev);
   } catch (const py::error_already_set&) {
     PyErr_Clear();
   }
@@ -120,18 +126,18 @@ void fill(TensorArg& a, const dl::Tensor& v) {
 }
 
 // Fills `a` from obj's DLPack description: the exchange API, else the Python fallback's capsule.
-void view(py::handle obj, TensorArg& a) {
+void view(py::handle obj, TensorArg& a, Where where = Where::kCpuOrCuda) {
   if (g.api != nullptr && g.api->dltensor_from_py_object_no_sync != nullptr) {
     dl::Tensor v;
     int rc = -1;
     try {
       rc = g.api->dltensor_from_py_object_no_sync(obj.ptr(), &v);
     } catch (const std::exception& e) {  // torch's implementation throws for sparse tensors
-      unreadable(obj, a.name, e.what());
+      unreadable(obj, a.name, e.what(), where);
     }
     if (rc != 0) {
       py::error_already_set err;
-      unreadable(obj, a.name, err.what());
+      unreadable(obj, a.name, err.what(), where);
     }
     fill(a, v);
     return;
@@ -140,10 +146,10 @@ void view(py::handle obj, TensorArg& a) {
   try {
     cap = py::reinterpret_borrow<py::object>(g.fallback).attr("dlpack")(obj);
   } catch (const py::error_already_set& e) {
-    unreadable(obj, a.name, e.what());
+    unreadable(obj, a.name, e.what(), where);
   }
   auto* m = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
-  if (m == nullptr) unreadable(obj, a.name, "torch gave no DLPack capsule");
+  if (m == nullptr) unreadable(obj, a.name, "torch gave no DLPack capsule", where);
   fill(a, m->dl_tensor);  // the data outlives the capsule: `obj` holds it
 }
 
@@ -194,7 +200,7 @@ TensorArg tensor(py::handle obj, const char* name, uint32_t mask, int ndim, Wher
   bool plain = false;
   for (int i = 0; i < g.n_plain; ++i) plain |= tp == g.plain[i];
   if (!plain) not_plain(obj, name);
-  view(obj, a);
+  view(obj, a, where);
   if (ndim >= 0 && a.ndim != ndim)
     value_error(std::string(name) + " must be " + std::to_string(ndim) + "-D, got shape " + a.shape_str());
   if (a.dtype < 0 || !((mask >> a.dtype) & 1u)) {
@@ -205,10 +211,7 @@ TensorArg tensor(py::handle obj, const char* name, uint32_t mask, int ndim, Wher
   }
   const bool ok = where == Where::kAny || (where == Where::kCpu && a.device == -1) ||
                   (where == Where::kCuda && a.device >= 0) || (where == Where::kCpuOrCuda && a.device >= -1);
-  if (!ok) {
-    const char* want = where == Where::kCpu ? "CPU" : where == Where::kCuda ? "CUDA" : "CPU or CUDA";
-    value_error(std::string(name) + " must be on the " + want + ", got device " + a.device_str());
-  }
+  if (!ok) value_error(std::string(name) + " must be on the " + where_name(where) + ", got device " + a.device_str());
   PyObject* neg = PyObject_CallMethodNoArgs(obj.ptr(), g.is_neg);
   if (neg == nullptr) throw py::error_already_set();
   const int negated = PyObject_IsTrue(neg);

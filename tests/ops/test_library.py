@@ -100,6 +100,7 @@ def _bad_calls():
         ("experts-mixed-weights", *exp(*ok[:4], e(2, 3, 2, dtype=torch.float16))),
         ("experts-x-H", *exp(e(1, 5), *ok[1:])),
         ("mla-q-on-cpu", *mla(q, pe)),  # the eager op's first complaint about CPU tensors
+        ("mla-q-meta", *mla(q.to("meta"), pe)),  # "on the CUDA", as for CPU tensors
         ("mla-q-fp32", *mla(q.float(), pe)),
         ("mla-q-2d", *mla(q[0], pe)),
     ]
