@@ -173,19 +173,16 @@ def test_thread_creation_failure_is_a_clear_error_and_the_pool_survives():
     assert "AFTER: True" in p.stdout, p.stdout
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs Linux and at least two CPUs this process may use")
-def test_sleeping_workers_keep_off_the_callers_cpu(two_threads):
-    # A worker about to sleep takes the CPU of the job's caller out of its mask, so that waking it
-    # cannot put it on the caller's CPU (cpp/common/thread_pool.cpp, AwayFromCaller): each named
-    # worker may use every CPU of this process but one.
+CHILD_WORKER_MASKS = textwrap.dedent("""
+    import os, time, torch, hmoe
+    from tests.ops.experts_reference import random_problem
+    hmoe.set_num_threads(2)
     x, ids, w, w13, w2 = random_problem(64, 512, 256, 8, 2, torch.float32, torch.bfloat16)
-    experts = hmoe.CPUExperts(w13, w2)
-    experts(x, ids, w)  # about 6 MB of weights: both threads take part
-    time.sleep(0.05)  # the workers spin 50 us after a job, then sleep
+    experts = hmoe.CPUExperts(w13, w2)  # about 6 MB of weights: both threads take part
     allowed = os.sched_getaffinity(0)
 
     def worker_masks():
+        time.sleep(0.05)  # the workers spin 50 us after a job, then sleep
         masks = {}
         for tid in os.listdir("/proc/self/task"):
             with open(f"/proc/self/task/{tid}/comm") as f:
@@ -195,17 +192,32 @@ def test_sleeping_workers_keep_off_the_callers_cpu(two_threads):
         assert masks, "no hmoe-cpu-N worker thread found"
         return masks
 
+    experts(x, ids, w)
     for name, mask in worker_masks().items():
         assert mask < allowed and len(mask) == len(allowed) - 1, (name, sorted(mask), sorted(allowed))
-    # The caller moves from one CPU to another between jobs (as a thread does after a sleep): the
-    # workers are kept off the CPU it calls from now (the caller moves their masks before it wakes
-    # them, and each worker again before it sleeps), never left on it.
-    try:
-        for cpu in sorted(allowed)[:2]:
-            os.sched_setaffinity(0, {cpu})  # this thread only
-            experts(x, ids, w)
-            time.sleep(0.05)
-            for name, mask in worker_masks().items():
-                assert mask == allowed - {cpu}, (name, cpu, sorted(mask), sorted(allowed))
-    finally:
-        os.sched_setaffinity(0, allowed)
+    # The caller moves from one CPU to another between jobs (as a thread does after a sleep): the workers
+    # are kept off the CPU it calls from now (the caller moves their masks before it wakes them, and each
+    # worker again before it sleeps), never left on it.
+    for cpu in sorted(allowed)[:2]:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        experts(x, ids, w)
+        for name, mask in worker_masks().items():
+            assert mask == allowed - {cpu}, (name, cpu, sorted(mask), sorted(allowed))
+    print("OK")
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least two CPUs this process may use")
+def test_sleeping_workers_keep_off_the_callers_cpu():
+    # A worker about to sleep takes the CPU of the job's caller out of its mask, so that waking it
+    # cannot put it on the caller's CPU (cpp/common/thread_pool.cpp, AwayFromCaller): each named
+    # worker may use every CPU of this process but one. In a fresh process: each experts ISA module
+    # has its own pool, and the pools that other tests used keep their own masks.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]))
+    env.pop("HMOE_NUM_THREADS", None)
+    p = subprocess.run([sys.executable, "-c", CHILD_WORKER_MASKS], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=root)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
