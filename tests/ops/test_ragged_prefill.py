@@ -120,6 +120,10 @@ def test_bad_input_without_gpu():
     with pytest.raises(ValueError, match="must be on the CUDA"):
         hmoe.ops.ragged_prefill(q, k, v, ind, ind, sm_scale=1.0)
     assert prefill_mod.HEAD_DIMS == ((192, 128), (128, 128), (64, 64))
+    # a configuration that is no index (the string reached int(); 1.7 became configuration 1)
+    for config in ("abc", 1.7, True):
+        with pytest.raises(TypeError, match="config must be an int"):
+            prefill_mod.plan(0, 277, 2, 4, 2, 128, 128, config=config)
 
 
 # --- GPU ----------------------------------------------------------------------------------------

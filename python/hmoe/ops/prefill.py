@@ -31,6 +31,7 @@ heads, alignment, out) is checked before any launch, without a synchronisation.
 from __future__ import annotations
 
 import collections
+import numbers
 
 from .. import _env, validation as V
 from .._native import spec
@@ -57,6 +58,9 @@ def _config(config: int | None) -> int:
     """The tile configuration: the argument, else $HMOE_PREFILL_CONFIG (an index into the kernel's
     table; -1: the best that fits)."""
     if config is not None:
+        if isinstance(config, bool) or not isinstance(config, numbers.Integral):
+            raise TypeError(f"prefill.plan: config must be an int (a configuration index; -1: the best that fits), "
+                            f"got {config!r}")
         return int(config)
     env = _env.get("HMOE_PREFILL_CONFIG")
     try:
@@ -71,11 +75,12 @@ def plan(index, total_q: int, batch: int, heads: int, kv_heads: int, head_dim_qk
     "cuda:N" / a torch.device; computed once per shape by the selected variant's module and cached
     there). It depends on shapes only, never on the index arrays, so a captured graph replays with new
     ones. `config` overrides it for tests and tuning (default: $HMOE_PREFILL_CONFIG)."""
+    config = _config(config)  # before the device: a bad value is the same error everywhere
     index = _cuda.ordinal(index)
     sel = _cuda.select("ragged_prefill", index, variant)
     mod = _cuda.module(index, "ragged_prefill", sel=sel)
     return PrefillPlan(*mod.ragged_prefill_plan(index, total_q, batch, heads, kv_heads, head_dim_qk, head_dim_v,
-                                                _config(config)))
+                                                config))
 
 
 def _indptr_problem(indptr, name: str, rows: int):
