@@ -1,10 +1,10 @@
 """Thread count for hmoe's CPU kernels: HMOE_NUM_THREADS or set_num_threads, default = usable cores."""
 from __future__ import annotations
 
-import numbers
 import os
 
 from . import _env
+from .validation import is_int
 
 # kMaxThreads in cpp/common/thread_pool.h: more threads than this is refused, not clamped.
 MAX_THREADS = 1024
@@ -34,7 +34,7 @@ def _usable_cores() -> int:
 
 
 def _checked(n, source: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_THREADS:
+    if not is_int(n) or not 1 <= n <= MAX_THREADS:
         raise ValueError(f"{source} must be a positive whole number of threads, at most {MAX_THREADS}, got {n!r} "
                          f"(this process may use {_usable_cores()} cores)")
     return int(n)

@@ -16,10 +16,11 @@ index or tensors that do not fit each other are errors that name the tensor and 
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import re
 import sys
+
+from .validation import is_int
 
 
 def _shards(path: str) -> dict:
@@ -128,7 +129,7 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
 
     from . import quant as q
 
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0:
+    if not is_int(layer) or layer < 0:
         raise ValueError(f"load_experts: layer must be a non-negative int, got {layer!r}")
     layer = int(layer)
     if quant not in (None, "int8", "int4", "fp8"):

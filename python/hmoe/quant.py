@@ -26,7 +26,8 @@ quantise the activations (the precision contract is in hmoe.ops.experts).
 from __future__ import annotations
 
 import math
-import numbers
+
+from .validation import is_int
 
 FORMATS = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128)
@@ -155,7 +156,7 @@ def _group(fmt: str, K: int, group_size):
             group_size = 128
         else:
             return None
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+    if not is_int(group_size):
         raise TypeError(f"quantize: group_size must be an int (one of {GROUP_SIZES})"
                         + (" or None (per row)" if fmt == "int8" else "")
                         + f", got {group_size!r} of type {type(group_size).__name__}")
@@ -241,7 +242,7 @@ def _check_block(block):
         r, c = block
     except (TypeError, ValueError):
         raise ValueError(f"fp8: block must be (rows, cols), got {block!r}") from None
-    if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in (r, c)):
+    if not all(is_int(b) for b in (r, c)):
         raise TypeError(f"fp8: block must be two ints (rows, cols), got {block!r}")
     r, c = int(r), int(c)
     if r < 1 or c < 1:

@@ -4,9 +4,16 @@ dtype, device and layout); tensor() here runs that same native checker for the f
 itself must vet, so the rules exist once."""
 from __future__ import annotations
 
+import numbers
+
 _torch = None
 _PLAIN: tuple = ()
 _WHERE = {None: 0, "cpu": 1, "cuda": 2, ("cpu", "cuda"): 3}
+
+
+def is_int(x) -> bool:
+    """A whole number as hmoe's int arguments take it: an int or a numpy integer, never a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def torch_module():

@@ -281,7 +281,8 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     Qwen-MoE, route differently: experts_implementation="hmoe" runs their experts); a model patched before
     gives a report saying so.
     """
-    from .hybrid import HybridMoE, is_count
+    from ..validation import is_int
+    from .hybrid import HybridMoE
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"hmoe.nn.patch_model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -298,7 +299,7 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
         raise ValueError(f"hmoe.nn.patch_model: {type(model).__name__} has no DeepSeek-V2/V3 MoE block ({why}); nothing "
                          "to patch")
     counts = {}
-    if is_count(gpu_experts) and gpu_experts > 0:
+    if is_int(gpu_experts) and gpu_experts > 0:  # a count
         if calibration is None:
             raise ValueError("hmoe.nn.patch_model: gpu_experts as a count is chosen from routing statistics: pass "
                              "calibration= (input ids or a dict of model inputs), or give expert ids")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import numbers
 
 import torch
 
+from .. import validation as V
 from . import _mla, _staging
 
 ATTENTIONS = ("auto", "hmoe", "model")
@@ -61,7 +61,7 @@ class GraphDecoder:
             raise TypeError(f"GraphDecoder: model must be a transformers causal LM (a torch.nn.Module with a "
                             f"config), got {type(model).__name__}")
         for name, v in (("batch_size", batch_size), ("max_cache_len", max_cache_len)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            if not V.is_int(v) or v < 1:
                 raise ValueError(f"GraphDecoder: {name} must be a positive int, got {v!r}")
         self.model, self.batch, self.max_len, self.capture = model, int(batch_size), int(max_cache_len), capture
         self.device = next(model.parameters()).device

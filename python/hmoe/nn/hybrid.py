@@ -1,7 +1,6 @@
 """hmoe.nn.HybridMoE: the DeepSeek-V2/V3 MoE block with its routed experts on the CPU."""
 from __future__ import annotations
 
-import numbers
 import operator
 import warnings
 
@@ -9,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, quant as hquant
+from ..validation import is_int
 from ..ops import library, linear
 from .experts import CPUExperts
 
@@ -323,17 +323,12 @@ class HybridMoE(torch.nn.Module):
                 f"gpu_experts={G}")
 
 
-def is_count(gpu_experts) -> bool:
-    """gpu_experts given as a count (any integer, numpy's too, but not a bool) rather than expert ids."""
-    return isinstance(gpu_experts, numbers.Integral) and not isinstance(gpu_experts, bool)
-
-
 def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
     if gpu_experts is None:
         return []
     if isinstance(gpu_experts, bool):
         raise TypeError("HybridMoE: gpu_experts must be a list of expert ids or a count, not a bool")
-    if is_count(gpu_experts):
+    if is_int(gpu_experts):  # a count, not expert ids
         n = int(gpu_experts)
         if not 0 <= n < E:
             raise ValueError(f"HybridMoE: gpu_experts = {n} must be in [0, {E}) (at least one expert on the CPU)")

@@ -31,7 +31,6 @@ heads, alignment, out) is checked before any launch, without a synchronisation.
 from __future__ import annotations
 
 import collections
-import numbers
 
 from .. import _env, validation as V
 from .._native import spec
@@ -58,7 +57,7 @@ def _config(config: int | None) -> int:
     """The tile configuration: the argument, else $HMOE_PREFILL_CONFIG (an index into the kernel's
     table; -1: the best that fits)."""
     if config is not None:
-        if isinstance(config, bool) or not isinstance(config, numbers.Integral):
+        if not V.is_int(config):
             raise TypeError(f"prefill.plan: config must be an int (a configuration index; -1: the best that fits), "
                             f"got {config!r}")
         return int(config)
