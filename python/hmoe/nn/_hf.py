@@ -42,8 +42,10 @@ def is_moe_block(module) -> bool:
     return _has_moe_shape(module) and _is_deepseek_router(module.gate)
 
 
-def _other_router(module) -> str:
-    """Why an MoE block of another model is not patched, for the messages."""
+def _not_deepseek(module) -> str:
+    """Why `module` (None: nothing MoE-like was found) is not a DeepSeek MoE block, for the messages."""
+    if module is None or not _has_moe_shape(module):
+        return "a module with a router `gate` and routed `experts`"
     return (f"its router {type(module.gate).__name__} routes differently from DeepSeek's ({', '.join(_HF_ROUTERS)} or "
             "the remote-code MoEGate), and hmoe computes DeepSeek's routing only")
 
@@ -118,8 +120,8 @@ def router_options(gate) -> dict:
 def block_arguments(module) -> dict:
     """HybridMoE's arguments (without the placement options) for a DeepSeek MoE block."""
     if not is_moe_block(module):
-        why = _other_router(module) if _has_moe_shape(module) else "a module with a router `gate` and routed `experts`"
-        raise TypeError(f"HybridMoE.from_hf: {type(module).__name__} is not a DeepSeek-V2/V3 MoE block ({why})")
+        raise TypeError(f"HybridMoE.from_hf: {type(module).__name__} is not a DeepSeek-V2/V3 MoE block "
+                        f"({_not_deepseek(module)})")
     _check_silu(module, module.experts, "HybridMoE.from_hf")
     w13, w2 = expert_weights(module.experts)
     return dict(gate_weight=module.gate.weight.detach(), w13=w13, w2=w2,
@@ -294,8 +296,7 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
                           "to do", stacklevel=2)
             return PatchReport([], done, None, "-", 0)
         other = next((m for m in model.modules() if _has_moe_shape(m)), None)
-        why = (f"{type(other).__name__}: {_other_router(other)}" if other is not None else
-               "a module with a router `gate` and routed `experts`")
+        why = f"{type(other).__name__}: {_not_deepseek(other)}" if other is not None else _not_deepseek(None)
         raise ValueError(f"hmoe.nn.patch_model: {type(model).__name__} has no DeepSeek-V2/V3 MoE block ({why}); nothing "
                          "to patch")
     counts = {}
