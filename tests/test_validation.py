@@ -163,11 +163,14 @@ def test_float_arguments(value, exc):
         hmoe.ops.grouped_topk(torch.randn(2, 8), 2, routed_scaling_factor=value)
 
 
-@pytest.mark.parametrize("value, exc", [(2 ** 31, ValueError), (2 ** 70, ValueError), (-1, ValueError), (1.0, TypeError),
-                                        (False, TypeError)])
+@pytest.mark.parametrize("value, exc", [(2 ** 31, ValueError), (2 ** 70, ValueError), (-1, ValueError), (0, ValueError),
+                                        (1.0, TypeError), (False, TypeError)])
 def test_int_arguments(value, exc):
     with pytest.raises(exc, match="top_k"):
         hmoe.ops.grouped_topk(torch.randn(2, 8), value)
+    if exc is ValueError and value < 2 ** 31:  # 0 and -1 alike: below the range the op names
+        with pytest.raises(exc, match=r"outside the supported range \[1, "):
+            hmoe.ops.grouped_topk(torch.randn(2, 8), value)
 
 
 def test_prewarm_names_a_missing_cuda_device():

@@ -33,9 +33,9 @@ py::tuple grouped_topk_entry(py::handle router_logits, py::handle top_k, py::han
   }
   if (code < 0)
     value_error(op + "scoring must be 'softmax' or 'sigmoid', got " + py::repr(scoring).cast<std::string>());
-  const int64_t groups = int_arg(n_group, op + "n_group", 0, kGroupedTopkMaxExperts);
-  const int64_t kept = int_arg(topk_group, op + "topk_group", 0, kGroupedTopkMaxExperts);
-  const int64_t K = int_arg(top_k, op + "top_k", 0, kGroupedTopkMaxExperts);
+  const int64_t groups = int_arg(n_group, op + "n_group", 1, kGroupedTopkMaxExperts);
+  const int64_t kept = int_arg(topk_group, op + "topk_group", 1, kGroupedTopkMaxExperts);
+  const int64_t K = int_arg(top_k, op + "top_k", 1, kGroupedTopkMaxExperts);
   if (groups < 1 || E % groups)
     value_error(op + "n_group=" + std::to_string(groups) + " must be >= 1 and divide the number of experts " +
                 std::to_string(E));

@@ -215,6 +215,9 @@ def test_constructor_errors():
     for bad in (2.0, [1.5], "01"):
         with pytest.raises(TypeError, match="gpu_experts must be a list of int expert ids or an int count"):
             hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=bad)
+    with pytest.raises(TypeError, match="0-dim tensor"):  # a count or one id: ambiguous
+        hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=torch.tensor(2))
+    assert hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=torch.tensor([2])).gpu_ids.tolist() == [2]
     with pytest.raises(TypeError, match="3-d torch tensor"):
         hn.HybridMoE(g, w13[0], w2, top_k=2)
     moe = hn.HybridMoE(g, w13, w2, top_k=2)

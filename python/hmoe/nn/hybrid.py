@@ -345,6 +345,9 @@ def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
             raise ValueError("HybridMoE: routing_counts is all zero: no routing statistics to choose from")
         return sorted(torch.argsort(counts, descending=True, stable=True)[:n].tolist())
     if isinstance(gpu_experts, torch.Tensor):
+        if gpu_experts.dim() == 0:  # a count or one id? Say which.
+            raise TypeError(f"HybridMoE: gpu_experts is a 0-dim tensor ({gpu_experts.item()}): pass int(t) for a count "
+                            "of experts or a 1-dim tensor / list for expert ids")
         gpu_experts = gpu_experts.flatten().tolist()
     try:
         ids = [operator.index(e) for e in gpu_experts]

@@ -121,8 +121,8 @@ def _grouped_topk_fake(router_logits, top_k, n_group, topk_group, scoring, bias,
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"{op}scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     for name, v in (("n_group", n_group), ("topk_group", topk_group), ("top_k", top_k)):
-        if not 0 <= v <= _TOPK_MAX:
-            raise ValueError(f"{op}{name} = {v} is outside the supported range [0, {_TOPK_MAX}]")
+        if not 1 <= v <= _TOPK_MAX:
+            raise ValueError(f"{op}{name} = {v} is outside the supported range [1, {_TOPK_MAX}]")
     if n_group < 1 or E % n_group:
         raise ValueError(f"{op}n_group={n_group} must be >= 1 and divide the number of experts {E}")
     if not 1 <= topk_group <= n_group:
