@@ -31,3 +31,10 @@ def test_build_info_lists_every_cpu_level_of_this_processor():
     for entry in info["cpu_modules"].values():
         assert "-march=native" not in entry["flags"]
     assert info["git_revision"] and info["cxx_compiler"]
+
+
+def test_python_m_hmoe_names_the_commands():
+    ok = subprocess.run([sys.executable, "-m", "hmoe"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "python -m hmoe.compat check" in ok.stdout and "python -m hmoe.bench" in ok.stdout, ok
+    bad = subprocess.run([sys.executable, "-m", "hmoe", "check"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "takes no command of its own" in bad.stderr and not bad.stdout, bad
