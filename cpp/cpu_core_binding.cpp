@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "bind/gil.h"
 #include "bind/module.h"
 #include "cpu_features/cpu_features.h"
 #include "membw/read_probe.h"
@@ -31,10 +32,8 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     hb::tensor(t, label.c_str(), uint32_t(dtypes), ndim, static_cast<hb::Where>(where),
                hb::bool_arg(contiguous, "contiguous"));
   });
-  HMOE_DEF(m, read_bandwidth, {
-    py::gil_scoped_release nogil;
-    return hmoe::read_bandwidth(bytes, threads, repeats);
-  });
+  HMOE_DEF(m, read_bandwidth,
+           { return hb::without_gil([&] { return hmoe::read_bandwidth(bytes, threads, repeats); }); });
   HMOE_DEF(m, grouped_topk, {
     return hb::grouped_topk_entry(
         router_logits, top_k, n_group, topk_group, scoring, bias, renormalize, routed_scaling_factor,
@@ -42,8 +41,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
           if (device >= 0)
             hb::value_error("grouped_topk: router_logits is on cuda:" + std::to_string(device) +
                             "; the CPU module runs CPU tensors only");
-          py::gil_scoped_release nogil;
-          hmoe::grouped_topk_cpu(p);  // std::invalid_argument -> ValueError
+          hb::without_gil([&] { hmoe::grouped_topk_cpu(p); });  // std::invalid_argument -> ValueError
         });
   });
 }

@@ -221,3 +221,36 @@ def test_sleeping_workers_keep_off_the_callers_cpu():
     p = subprocess.run([sys.executable, "-c", CHILD_WORKER_MASKS], capture_output=True, text=True, timeout=120,
                        env=env, cwd=root)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+
+
+CHILD_DAEMON_AT_EXIT = textwrap.dedent("""
+    import threading, time, torch, hmoe
+    from tests.ops.experts_reference import random_problem
+    hmoe.set_num_threads(2)
+    x, ids, w, w13, w2 = random_problem(1024, 512, 256, 16, 6, torch.bfloat16, torch.bfloat16)
+    experts = hmoe.CPUExperts(w13, w2)  # a call takes tens of milliseconds or more
+
+    def calls(fn):
+        while True:
+            fn(x, ids, w)
+
+    for fn in (experts, lambda x, ids, w: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2)):
+        threading.Thread(target=calls, args=(fn,), daemon=True).start()
+    time.sleep(0.3)
+    print("main done", flush=True)  # the interpreter finalises with the daemon threads inside calls
+""")
+
+
+def test_daemon_thread_inside_a_call_at_exit():
+    # A daemon thread whose call outlives the main thread asks for the GIL while the interpreter
+    # finalises; CPython ends it with pthread_exit there, whose unwinding through pybind11's
+    # gil_scoped_release destructor (noexcept) was std::terminate: SIGABRT at every such exit.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]))
+    env.pop("HMOE_NUM_THREADS", None)
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", CHILD_DAEMON_AT_EXIT], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=root)
+        assert p.returncode == 0 and "main done" in p.stdout, (p.returncode, p.stdout + p.stderr)
+        assert "terminate" not in p.stderr, p.stderr

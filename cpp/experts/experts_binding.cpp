@@ -12,6 +12,7 @@
 #include <system_error>
 #include <vector>
 
+#include "bind/gil.h"
 #include "bind/module.h"
 #include "common/doorbell.h"
 #include "common/huge_pages.h"
@@ -41,10 +42,8 @@ py::object run(MoeParams& p, py::handle out, const hb::TensorArg& w13, const hb:
   check_ready();
   py::object result = hb::expert_output(out, w13, w2, p);
   p.num_threads = num_threads;
-  if (p.T > 0) {
-    py::gil_scoped_release nogil;
-    hmoe::HMOE_ISA::run_moe(p);  // an expert id outside [0, E): std::invalid_argument -> ValueError
-  }
+  // An expert id outside [0, E): std::invalid_argument -> ValueError.
+  if (p.T > 0) hb::without_gil([&] { hmoe::HMOE_ISA::run_moe(p); });
   return result;
 }
 
@@ -257,8 +256,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     };
     std::string error;
     std::mutex mu;
-    {
-      py::gil_scoped_release nogil;
+    hb::without_gil([&] {
       hmoe::ThreadPool::instance().parallel_for(2 * E, num_threads, [&](int64_t t, int) {
         const int64_t e = t / 2;
         try {
@@ -273,7 +271,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
           if (error.empty()) error = std::string(ex.what()) + " (expert " + std::to_string(e) + ")";
         }
       });
-    }
+    });
     if (!error.empty()) throw std::invalid_argument(error);
     return py::make_tuple(p13, p2);
   });
@@ -289,8 +287,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     const int64_t nb13 = 2 * hmoe::ceil_div(I, hmoe::kBlockN), nb2 = hmoe::ceil_div(H, hmoe::kBlockN);
     const char* src13 = static_cast<const char*>(w.w13.data);
     const char* src2 = static_cast<const char*>(w.w2.data);
-    {
-      py::gil_scoped_release nogil;
+    hb::without_gil([&] {
       // One task per (expert, matrix) keeps every thread busy for few, large experts too.
       hmoe::ThreadPool::instance().parallel_for(2 * E, num_threads, [&](int64_t t, int) {
         const int64_t e = t / 2;
@@ -300,7 +297,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
           hmoe::pack_w2_blocks(src2 + e * H * I * ws, dt, H, I, 0, nb2, static_cast<char*>(dst2) + e * b2);
         }
       });
-    }
+    });
     return py::make_tuple(p13, p2);
   });
 }
