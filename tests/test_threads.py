@@ -254,3 +254,49 @@ def test_daemon_thread_inside_a_call_at_exit():
                            timeout=120, env=env, cwd=root)
         assert p.returncode == 0 and "main done" in p.stdout, (p.returncode, p.stdout + p.stderr)
         assert "terminate" not in p.stderr, p.stderr
+
+
+CHILD_FEWER_THREADS = textwrap.dedent("""
+    import os, time, torch, hmoe
+    from tests.ops.experts_reference import random_problem
+    x, ids, w, w13, w2 = random_problem(64, 512, 256, 8, 2, torch.float32, torch.bfloat16)
+    experts = hmoe.CPUExperts(w13, w2)  # about 4 MB of w13 a call: work for 8 threads
+    hmoe.set_num_threads(8)
+    want = experts(x, ids, w)  # workers hmoe-cpu-1 .. 7 exist from now on
+    hmoe.set_num_threads(2)
+
+    def switches():  # context switches of the workers this job size no longer uses
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith("hmoe-cpu-") and int(name[9:]) >= 2:
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    out[name] = sum(int(l.split()[1]) for l in f if "ctxt_switches" in l)
+        return out
+
+    assert torch.equal(experts(x, ids, w), want)
+    time.sleep(0.05)
+    before = switches()
+    for _ in range(100):
+        assert torch.equal(experts(x, ids, w), want)
+    time.sleep(0.05)
+    after = switches()
+    woken = {n: after[n] - before[n] for n in before}
+    assert len(woken) == 6 and max(woken.values()) <= 4, woken
+    print("OK")
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_workers_beyond_the_thread_count_stay_asleep():
+    # After set_num_threads(n) lowered the count, the workers above n used to be woken by every
+    # job (and each spun 50 us before sleeping again): 1021 of them after set_num_threads(1024)
+    # made a 2-thread call on 2 cores about 30% slower for the rest of the process.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]))
+    env.pop("HMOE_NUM_THREADS", None)
+    p = subprocess.run([sys.executable, "-c", CHILD_FEWER_THREADS], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=root)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr

@@ -142,6 +142,33 @@ void ThreadPool::signal() {
   if (sleepers_.load() > 0) futex_wake_all(&signal_);
 }
 
+// Workers 1..n_workers are wanted from now on (`lower`: and no others); those parked among them
+// are woken.
+void ThreadPool::want(int n_workers, bool lower) {
+  int before = wanted_.load();
+  while ((lower ? before != n_workers : before < n_workers) && !wanted_.compare_exchange_weak(before, n_workers)) {
+  }
+  if (before < n_workers) {
+    unpark_.fetch_add(1);
+    if (parked_.load() > 0) futex_wake_all(&unpark_);
+  }
+}
+
+void ThreadPool::limit(int n_threads) { want(std::clamp(n_threads, 1, kMaxThreads) - 1, true); }
+
+// Returns at once while worker `id` is wanted; otherwise sleeps until it is. The seq_cst pair
+// (wanted_ then unpark_ in want(), unpark_ then wanted_ here) makes sure that a worker about to
+// sleep either sees the new count or finds unpark_ changed.
+void ThreadPool::park(int id) {
+  for (;;) {
+    const uint32_t s = unpark_.load();
+    if (id <= wanted_.load()) return;
+    parked_.fetch_add(1);
+    futex_wait(&unpark_, s);
+    parked_.fetch_sub(1);
+  }
+}
+
 // Returns once job_ differs from seen: spinning, then asleep on signal_ (woken by a job, or by
 // wake(), after which it spins again), off the caller's CPU.
 void ThreadPool::await_job(uint64_t seen, AwayFromCaller& away) {
@@ -171,6 +198,7 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
     aways_.push_back(&away);  // the worker never ends (the pool lives as long as the process)
   }
   for (;;) {
+    park(id);
     await_job(seen, away);
     seen = job_.load(std::memory_order_acquire);
     if (id > active_workers_.load(std::memory_order_relaxed)) continue;
@@ -197,6 +225,7 @@ void ThreadPool::wake(int n_threads) {
     ensure_workers(n_threads - 1);
     place_workers();
   }
+  want(n_threads - 1, false);
   signal();
 }
 
@@ -222,6 +251,7 @@ void ThreadPool::parallel_for(int64_t n_tasks, int n_threads, const std::functio
   active_workers_.store(n_threads - 1, std::memory_order_relaxed);
   gate_.store(gate_of(id), std::memory_order_release);
   job_.store(id, std::memory_order_release);
+  want(n_threads - 1, false);
   signal();
   run_tasks(0);
   // Out of tasks: close the gate and wait for the workers inside to finish theirs.

@@ -32,6 +32,11 @@ class ThreadPool {
   // the serial work that precedes a parallel phase. Threads not used soon go back to sleep.
   void wake(int n_threads);
 
+  // The threads the coming calls may use at most (the caller's thread count, e.g. the op's
+  // num_threads): workers beyond it sleep until a call asks for them again, instead of being
+  // woken by every job. parallel_for and wake() raise it when they need more.
+  void limit(int n_threads);
+
   // This process's pool. After fork() the child's copy of the parent's pool is abandoned
   // (its workers do not exist there and its mutexes and condition variables may be held by
   // them or list them as waiters: using it would hang) and a new one is made on first use.
@@ -47,6 +52,8 @@ class ThreadPool {
   void worker_loop(int id, uint64_t seen);
   void await_job(uint64_t seen, AwayFromCaller& away);
   void signal();
+  void want(int n_workers, bool lower);
+  void park(int id);
   void place_workers();
   void run_tasks(int worker);
 
@@ -70,6 +77,12 @@ class ThreadPool {
   // thread_pool.cpp).
   std::atomic<int> caller_cpu_{-1};
   std::atomic<int> active_workers_{0};  // workers (excluding the caller) that may take part
+  // Workers (excluding the caller) that calls may use (see limit()). Those above it park on
+  // unpark_ (a futex word), woken only when a call asks for more workers again: a pool that once
+  // ran more threads than the calls now use must not wake all of them for every job.
+  std::atomic<int> wanted_{0};
+  std::atomic<uint32_t> unpark_{0};
+  std::atomic<int> parked_{0};
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_{0};

@@ -444,6 +444,7 @@ void run_rows(const MoeParams& p, const Routing& r, int threads) {
 void run_moe(const MoeParams& p) {
   if (p.T == 0) return;
   const int threads = std::max(1, p.num_threads);
+  ThreadPool::instance().limit(threads);  // workers beyond the caller's count sleep
   with_format(p.w_format, [&](auto fmt) {
     using Fmt = decltype(fmt);
     const Routing r = route(p);
