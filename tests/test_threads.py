@@ -163,7 +163,8 @@ CHILD_THREAD_FAILURE = textwrap.dedent("""
 
 def test_thread_creation_failure_is_a_clear_error_and_the_pool_survives():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", PYTHONPATH=root)  # no per-thread malloc arenas
+    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", PYTHONPATH=os.pathsep.join([here, root]))  # no per-thread malloc arenas
     env.pop("HMOE_NUM_THREADS", None)
     p = subprocess.run([sys.executable, "-c", CHILD_THREAD_FAILURE], capture_output=True, text=True,
                        timeout=300, env=env, cwd=root)
