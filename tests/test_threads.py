@@ -242,6 +242,20 @@ CHILD_DAEMON_AT_EXIT = textwrap.dedent("""
 """)
 
 
+CHILD_CALL_WHILE_FINALISING = textwrap.dedent("""
+    import os, torch, hmoe
+    from tests.ops.experts_reference import random_problem
+    x, ids, w, w13, w2 = random_problem(8, 64, 32, 4, 2, torch.float32, torch.bfloat16)
+    experts = hmoe.CPUExperts(w13, w2)
+
+    class Finaliser:  # deleted while the main thread finalises the interpreter
+        def __del__(self):
+            os.write(1, f"del {bool(experts(x, ids, w).isfinite().all())}\\n".encode())
+
+    finaliser = Finaliser()
+""")
+
+
 def test_daemon_thread_inside_a_call_at_exit():
     # A daemon thread whose call outlives the main thread asks for the GIL while the interpreter
     # finalises; CPython ends it with pthread_exit there, whose unwinding through pybind11's
@@ -255,6 +269,10 @@ def test_daemon_thread_inside_a_call_at_exit():
                            timeout=120, env=env, cwd=root)
         assert p.returncode == 0 and "main done" in p.stdout, (p.returncode, p.stdout + p.stderr)
         assert "terminate" not in p.stderr, p.stderr
+    # The thread that finalises the interpreter is not parked: its calls (from __del__) return.
+    p = subprocess.run([sys.executable, "-c", CHILD_CALL_WHILE_FINALISING], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=root)
+    assert p.returncode == 0 and "del True" in p.stdout, (p.returncode, p.stdout + p.stderr)
 
 
 CHILD_FEWER_THREADS = textwrap.dedent("""

@@ -7,11 +7,14 @@
 // and SIGABRT at exit. without_gil parks such a thread instead (it sleeps until the process ends,
 // as CPython 3.14 does with it), and takes the GIL back in ordinary code, outside any destructor: a
 // finalisation that begins while the thread waits for the GIL still ends it with pthread_exit,
-// whose unwinding may then pass (pybind11 rethrows it; nothing on the way is noexcept).
+// whose unwinding may then pass (pybind11 rethrows it; nothing on the way is noexcept). The thread
+// that finalises (and runs __del__ methods and finalisers meanwhile) gets the GIL back as always:
+// it is the one that ran the atexit callbacks, which watch_finalization() makes it record.
 #pragma once
 #include <pybind11/pybind11.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <exception>
 #include <optional>
 #include <type_traits>
@@ -27,10 +30,27 @@ inline bool interpreter_finalizing() {
 #endif
 }
 
-// PyEval_RestoreThread(state), or never returns when the interpreter is finalising.
+// The thread that finalises the interpreter, recorded by an atexit callback (finalisation runs
+// them in that thread, just before it begins); 0 until then.
+inline std::atomic<unsigned long>& finalizing_thread() {
+  static std::atomic<unsigned long> id{0};
+  return id;
+}
+
+// Registers that callback; once per module, at its import (the GIL held).
+inline void watch_finalization() {
+  pybind11::module_::import("atexit").attr("register")(
+      pybind11::cpp_function([] { finalizing_thread().store(PyThread_get_thread_ident()); }));
+}
+
+// PyEval_RestoreThread(state), or never returns when the interpreter is being finalised by
+// another thread (which would end this one there).
 inline void take_gil_back(PyThreadState* state) {
-  if (interpreter_finalizing())
-    for (;;) pause();
+  if (interpreter_finalizing()) {
+    const unsigned long finalizer = finalizing_thread().load();
+    if (finalizer != 0 && finalizer != PyThread_get_thread_ident())
+      for (;;) pause();
+  }
   PyEval_RestoreThread(state);
 }
 
