@@ -15,7 +15,6 @@ namespace hb = hmoe::bind;
 PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   m.doc() = "hmoe baseline CPU module: feature detection and small CPU ops";
   hb::def_common(m, "cpu_core", [](const char*) { return true; });
-  hb::watch_finalization();  // bind/gil.h
   m.def("has_cpuid", &hmoe::has_cpuid);
   HMOE_DEF(m, cpuid, {
     auto r = hmoe::cpuid(leaf, subleaf);

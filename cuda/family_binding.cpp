@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "bind/gil.h"
 #include "bind/module.h"
 
 // The ops of this family (CMake defines those it was built with to 1).
@@ -72,25 +73,26 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   // Loads every kernel of this module on `device` and sets their shared-memory limits (first eager
   // call, or hmoe.prewarm()): nothing of this may happen inside graph capture.
   HMOE_DEF(m, prewarm, {
-    py::gil_scoped_release nogil;
+    hb::without_gil([&] {
 #if HMOE_HAS_grouped_topk
-    hmoe::grouped_topk_cuda_prewarm(device);
+      hmoe::grouped_topk_cuda_prewarm(device);
 #endif
 #if HMOE_HAS_mla_decode
-    hmoe::mla_decode_prewarm(device);
+      hmoe::mla_decode_prewarm(device);
 #endif
 #if HMOE_HAS_mla_rope_append
-    hmoe::mla_rope_append_prewarm(device);
+      hmoe::mla_rope_append_prewarm(device);
 #endif
 #if HMOE_HAS_decode_linear
-    hmoe::decode_linear_prewarm(device);
+      hmoe::decode_linear_prewarm(device);
 #endif
 #if HMOE_HAS_rms_norm
-    hmoe::rms_norm_prewarm(device);
+      hmoe::rms_norm_prewarm(device);
 #endif
 #if HMOE_HAS_ragged_prefill || HMOE_HAS_paged_prefill
-    hmoe::prefill_prewarm(device);
+      hmoe::prefill_prewarm(device);
 #endif
+    });
   });
 #if HMOE_HAS_grouped_topk
   HMOE_DEF(m, grouped_topk, {
@@ -99,8 +101,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
         [](const hmoe::GroupedTopkParams& p, int32_t device) {
           if (device < 0) hb::value_error("grouped_topk: router_logits is on the CPU; this module runs CUDA tensors");
           void* stream = hb::current_stream(device);
-          py::gil_scoped_release nogil;
-          hmoe::grouped_topk_cuda(p, device, reinterpret_cast<uintptr_t>(stream));
+          hb::without_gil([&] { hmoe::grouped_topk_cuda(p, device, reinterpret_cast<uintptr_t>(stream)); });
         });
   });
 #endif

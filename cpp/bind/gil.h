@@ -1,4 +1,5 @@
-// Native work without the GIL, in a way that survives interpreter shutdown.
+// Native work without the GIL, in a way that survives interpreter shutdown: every binding releases
+// the GIL through without_gil, never py::gil_scoped_release.
 //
 // py::gil_scoped_release takes the GIL back in its destructor. A daemon thread whose call is still
 // running when the main thread returns finds the interpreter finalising when it asks for the GIL,

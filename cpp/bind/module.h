@@ -1,6 +1,7 @@
 // What every native module's binding is built from: the entry points of include/hmoe/signatures.h
 // become pybind11 functions whose parameter lists are generated from the spec (HMOE_DEF), and the
-// four exports every module has (abi_version, signatures, constants, bind_torch).
+// four exports every module has (abi_version, signatures, constants, bind_torch); def_common also
+// registers the exit hook that without_gil (bind/gil.h) relies on.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "bind/gil.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "hmoe/abi.h"
@@ -95,6 +97,7 @@ void def_common(py::module_& m, const char* kind, HasOp has_op) {
 #undef HMOE_CONSTANT_ROW
   m.def("constants", [constants] { return constants; });
   m.def("bind_torch", &bind_torch);
+  watch_finalization();
 }
 
 }  // namespace hmoe::bind

@@ -153,7 +153,6 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
   m.doc() = "hmoe CPU MoE experts, ISA level " HMOE_ISA_NAME;
   m.attr("isa") = HMOE_ISA_NAME;
   hb::def_common(m, "experts", [](const char*) { return true; });
-  hb::watch_finalization();  // bind/gil.h
 
   HMOE_DEF(m, moe_experts, {
     const hb::ExpertWeights w = hb::expert_weights(w13, w2);

@@ -7,6 +7,7 @@
 #include <climits>
 #include <string>
 
+#include "bind/gil.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "linear/decode_linear.h"
@@ -38,8 +39,7 @@ inline py::object decode_linear_entry(py::handle x, py::handle weight, py::handl
   p.y = data;
   if (M > 0) {
     void* stream = current_stream(tx.device);
-    py::gil_scoped_release nogil;
-    decode_linear_cuda(p, tx.device, reinterpret_cast<uintptr_t>(stream));
+    without_gil([&] { decode_linear_cuda(p, tx.device, reinterpret_cast<uintptr_t>(stream)); });
   }
   return y;
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "bind/gil.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "mla/mla_decode.h"
@@ -229,21 +230,21 @@ inline py::object mla_decode_entry(py::handle q_nope, py::handle q_pe, py::handl
     p.num_splits = plan.num_splits;
     void* stream = current_stream(device);
     if (plan.num_splits == 1 || plan.cluster > 1) {  // no partials
-      py::gil_scoped_release nogil;
-      mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+      without_gil([&] { mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream)); });
     } else {  // [splits, B, H, 512] then [splits, B, H], fp32
       const int64_t n = int64_t(plan.num_splits) * p.batch * p.heads;
       Partials partials(device, stream, n * (kMlaDimCkv + 1));
       p.partial_o = partials.data();
       p.partial_lse = p.partial_o + n * kMlaDimCkv;
-      py::gil_scoped_release nogil;
-      try {
-        mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream), partials.graph());
-      } catch (...) {
+      without_gil([&] {
+        try {
+          mla_decode_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream), partials.graph());
+        } catch (...) {
+          partials.unlock();
+          throw;
+        }
         partials.unlock();
-        throw;
-      }
-      partials.unlock();
+      });
     }
   }
   if (!want_lse) return result;

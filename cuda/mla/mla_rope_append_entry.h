@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "bind/gil.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "mla/mla_decode_entry.h"
@@ -70,8 +71,7 @@ inline py::object mla_rope_append_entry(py::handle q, py::handle kv, py::handle 
   p.q_pe_out = data;
   if (B > 0) {
     void* stream = current_stream(tq.device);
-    py::gil_scoped_release nogil;
-    mla_rope_append_cuda(p, tq.device, reinterpret_cast<uintptr_t>(stream));
+    without_gil([&] { mla_rope_append_cuda(p, tq.device, reinterpret_cast<uintptr_t>(stream)); });
   }
   return q_pe;
 }

@@ -7,6 +7,7 @@
 #include <climits>
 #include <string>
 
+#include "bind/gil.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "hmoe/constants.h"
@@ -34,8 +35,7 @@ inline py::object rms_norm_entry(py::handle x, py::handle weight, py::handle eps
   p.y = data;
   if (rows > 0) {
     void* stream = current_stream(tx.device);
-    py::gil_scoped_release nogil;
-    rms_norm_cuda(p, tx.device, reinterpret_cast<uintptr_t>(stream));
+    without_gil([&] { rms_norm_cuda(p, tx.device, reinterpret_cast<uintptr_t>(stream)); });
   }
   return y;
 }

@@ -13,6 +13,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "bind/gil.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "prefill/prefill.h"
@@ -207,8 +208,7 @@ inline py::object prefill_run(PrefillCall& c, py::handle out, py::handle return_
     py::object workspace = empty({plan.workspace}, kI32, device, &data);
     p.workspace = static_cast<int32_t*>(data);
     void* stream = current_stream(device);
-    py::gil_scoped_release nogil;
-    prefill_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream));
+    without_gil([&] { prefill_launch(p, plan, device, reinterpret_cast<uintptr_t>(stream)); });
   }
   if (!want_lse) return result;
   return py::make_tuple(result, lse);
