@@ -249,8 +249,13 @@ def test_experts_implementation_hmoe_in_transformers():
     assert isinstance(block.experts._hmoe_experts[1], hn.CPUExperts)
     with torch.no_grad():  # new weights are packed again
         block.experts.down_proj.mul_(2)
-    _logits(m, ids)
+    got = _logits(m, ids)
     assert block.experts._hmoe_experts[0][3] == block.experts.down_proj._version
+    # and computed with: the logits are those of transformers' own experts on the new weights
+    m.set_experts_implementation("eager")
+    want = _logits(m, ids)
+    assert _rel(want, ref) > 10 * _reference.tolerance("hybrid_model_logits", torch.float32)  # the change shows
+    assert _rel(got, want) <= _reference.tolerance("hybrid_model_logits", torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["v3", "v2"])
