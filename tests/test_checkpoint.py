@@ -100,10 +100,16 @@ def test_fp8_checkpoint(tmp_path):
     # With I a multiple of 128 (DeepSeek-V3: 2048) w13's blocks are the checkpoint's: re-blocking is exact
     assert torch.equal(quant.dequantize(k13), want13)
     _run_quantised(k13, k2)  # H = 160: a partial block of columns
+    from hmoe import _reference
+
     experts = hmoe.CPUExperts(w13, w2)
     x = torch.randn(2, 160)
-    y = experts(x, torch.tensor([[0, 2], [1, 0]], dtype=torch.int32), torch.ones(2, 2))
+    ids, w = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32), torch.ones(2, 2)
+    y = experts(x, ids, w)
     assert y.shape == (2, 160) and torch.isfinite(y).all()
+    ref = _reference.moe_experts(x, ids, w, want13, want2)  # the checkpoint's weights, not the loaded ones
+    assert ((y.double() - ref).norm() / ref.norm()).item() < _reference.tolerance("moe_experts", x.dtype,
+                                                                                  w_dtype=w13.dtype)
 
 
 def test_errors(saved, tmp_path):
