@@ -191,7 +191,7 @@ def test_run_against_reference(fi):
     assert "self-check passed" in st["detail"] and "base 2, converted" in st["detail"]
     assert st["lse_scale"] == pytest.approx(math.log(2))
     assert FakeWrapper.plans == ["fa2", "fa2"]  # the self-check's, then this one's
-    given = torch.empty_like(out)
+    given = torch.full_like(out, float("nan"))  # poisoned: an unwritten out cannot equal out
     assert mf.run("flashinfer-fa2", *args, sm_scale=SCALE, out=given) is given
     assert FakeWrapper.plans == ["fa2", "fa2"] and torch.equal(given, out)  # same inputs: no new plan()
     q_nope, q_pe, ckv, kpe, pt, lens = args
