@@ -32,7 +32,10 @@ def call(x, ids, w, w13, w2):
     (lambda a: a.__setitem__(3, a[3][:, :15].contiguous()), ValueError, "w13 has shape"),
     (lambda a: a.__setitem__(3, a[3][:2]), ValueError, "w2 has shape"),
     (lambda a: a.__setitem__(4, a[4][:, :, :7].contiguous()), ValueError, "w2 has shape"),
-    (lambda a: a.__setitem__(4, a[4].transpose(1, 2)), ValueError, "w2"),
+    # the right shape, strided: only the contiguity check can refuse it ("w2" alone also matched the
+    # shape error of a plain transpose)
+    (lambda a: a.__setitem__(4, a[4].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "w2 must be contiguous"),
     (lambda a: a.__setitem__(3, a[3].int()), TypeError, "w13 must have dtype"),
     (lambda a: a.__setitem__(3, a[3][0]), ValueError, "w13 must be 3-D"),
 ])
