@@ -134,7 +134,8 @@ def test_env_family_missing_for_this_op_is_ignored(monkeypatch):
     monkeypatch.setenv("HMOE_CUDA_VARIANT", "sm90a")
     s = sel("9.0", k=kernels("portable"))
     assert s.variant == "portable" and "HMOE_CUDA_VARIANT=sm90a ignored" in s.reason
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"variant='sm90a': no such GPU variant of mla_decode in this build "
+                                         r"\(built: portable;"):  # forced: refused, not ignored
         sel("9.0", k=kernels("portable"), variant="sm90a")
     monkeypatch.setenv("HMOE_CUDA_VARIANT", "typo")
     with pytest.raises(ValueError, match="typo"):
