@@ -136,8 +136,12 @@ def test_env_thread_count_refused_clearly_by_every_cpu_op(monkeypatch, value):
 
 def test_the_bound_is_usable():
     before = hmoe.get_num_threads()
-    hmoe.set_num_threads(hmoe._threads.MAX_THREADS)
-    hmoe.set_num_threads(before)
+    try:
+        hmoe.set_num_threads(hmoe._threads.MAX_THREADS)
+        assert hmoe.get_num_threads() == hmoe._threads.MAX_THREADS == 1024  # taken, not clamped or ignored
+    finally:
+        hmoe.set_num_threads(before)
+    assert hmoe.get_num_threads() == before
 
 
 CHILD_THREAD_FAILURE = textwrap.dedent("""
