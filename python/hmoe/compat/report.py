@@ -215,8 +215,9 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     rows = []
     failed = {}  # (reason, fix) -> ([devices], [ops]): one problem for what many rows share
     kernels = manifest.get("cuda_kernels", {})
-    # A build without GPU kernels still lists every GPU op (each then says why none runs).
-    ops = sorted({e["op"] for e in kernels.values()}) or _arch.gpu_ops()
+    # A build without GPU kernels still lists every GPU op (each then says why none runs), from
+    # arch/gpu.json; when that is unreadable _package_data has said so, and there is no op to list.
+    ops = sorted({e["op"] for e in kernels.values()}) or (_guard(_arch.gpu_ops)[0] or [])
     families = {op: sorted(e["family"] for e in kernels.values() if e["op"] == op) for op in ops}
     devices = [(d.label, d.compute_capability, det.driver_cuda) for d in det.visible]
     if not det.ok and torch_info.get("devices"):
