@@ -231,6 +231,7 @@ def test_every_configuration(monkeypatch, variant):
         args = make_ragged([200, 77], [260, 77], 4, 2, dims, torch.bfloat16, "cuda", gen(dims[1]))
         default = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, variant=variant)
         assert default.tile_q in (128, 256) and default.max_items == 277 // default.tile_q + 2
+        ran = []
         for c in range(8):
             try:
                 p = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, config=c, variant=variant)
@@ -239,6 +240,8 @@ def test_every_configuration(monkeypatch, variant):
             assert p.config == c
             monkeypatch.setenv("HMOE_PREFILL_CONFIG", str(c))
             run_and_check(*args, variant=variant)
+            ran.append(c)
+        assert default.config in ran, (dims, ran)  # the refusals swallowed above never include the default's
     monkeypatch.setenv("HMOE_PREFILL_CONFIG", "x")
     with pytest.raises(ValueError, match="HMOE_PREFILL_CONFIG"):
         hmoe.ops.ragged_prefill(*args, sm_scale=SCALE, variant=variant)
