@@ -144,6 +144,17 @@ def test_the_bound_is_usable():
     assert hmoe.get_num_threads() == before
 
 
+def run_child(code: str, timeout: int, **env_extra) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter that imports the hmoe under test (and tests/ from the checkout),
+    with the default thread count."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]), **env_extra)
+    env.pop("HMOE_NUM_THREADS", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=root)
+
+
 CHILD_THREAD_FAILURE = textwrap.dedent("""
     import resource, sys, torch, hmoe
     from tests.ops.experts_reference import random_problem
@@ -166,12 +177,7 @@ CHILD_THREAD_FAILURE = textwrap.dedent("""
 
 
 def test_thread_creation_failure_is_a_clear_error_and_the_pool_survives():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", PYTHONPATH=os.pathsep.join([here, root]))  # no per-thread malloc arenas
-    env.pop("HMOE_NUM_THREADS", None)
-    p = subprocess.run([sys.executable, "-c", CHILD_THREAD_FAILURE], capture_output=True, text=True,
-                       timeout=300, env=env, cwd=root)
+    p = run_child(CHILD_THREAD_FAILURE, 300, MALLOC_ARENA_MAX="1")  # no per-thread malloc arenas
     assert p.returncode == 0, p.stdout + p.stderr
     err = next(line for line in p.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR")))
     assert "could not start CPU worker thread" in err and "set_num_threads" in err, err
@@ -219,12 +225,7 @@ def test_sleeping_workers_keep_off_the_callers_cpu():
     # cannot put it on the caller's CPU (cpp/common/thread_pool.cpp, AwayFromCaller): each named
     # worker may use every CPU of this process but one. In a fresh process: each experts ISA module
     # has its own pool, and the pools that other tests used keep their own masks.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]))
-    env.pop("HMOE_NUM_THREADS", None)
-    p = subprocess.run([sys.executable, "-c", CHILD_WORKER_MASKS], capture_output=True, text=True, timeout=120,
-                       env=env, cwd=root)
+    p = run_child(CHILD_WORKER_MASKS, 120)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
 
 
@@ -264,18 +265,12 @@ def test_daemon_thread_inside_a_call_at_exit():
     # A daemon thread whose call outlives the main thread asks for the GIL while the interpreter
     # finalises; CPython ends it with pthread_exit there, whose unwinding through pybind11's
     # gil_scoped_release destructor (noexcept) was std::terminate: SIGABRT at every such exit.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]))
-    env.pop("HMOE_NUM_THREADS", None)
     for _ in range(2):
-        p = subprocess.run([sys.executable, "-c", CHILD_DAEMON_AT_EXIT], capture_output=True, text=True,
-                           timeout=120, env=env, cwd=root)
+        p = run_child(CHILD_DAEMON_AT_EXIT, 120)
         assert p.returncode == 0 and "main done" in p.stdout, (p.returncode, p.stdout + p.stderr)
         assert "terminate" not in p.stderr, p.stderr
     # The thread that finalises the interpreter is not parked: its calls (from __del__) return.
-    p = subprocess.run([sys.executable, "-c", CHILD_CALL_WHILE_FINALISING], capture_output=True, text=True,
-                       timeout=60, env=env, cwd=root)
+    p = run_child(CHILD_CALL_WHILE_FINALISING, 60)
     assert p.returncode == 0 and "del True" in p.stdout, (p.returncode, p.stdout + p.stderr)
 
 
@@ -316,10 +311,5 @@ def test_workers_beyond_the_thread_count_stay_asleep():
     # After set_num_threads(n) lowered the count, the workers above n used to be woken by every
     # job (and each spun 50 us before sleeping again): 1021 of them after set_num_threads(1024)
     # made a 2-thread call on 2 cores about 30% slower for the rest of the process.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(hmoe.__file__)))  # the hmoe under test
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]))
-    env.pop("HMOE_NUM_THREADS", None)
-    p = subprocess.run([sys.executable, "-c", CHILD_FEWER_THREADS], capture_output=True, text=True, timeout=120,
-                       env=env, cwd=root)
+    p = run_child(CHILD_FEWER_THREADS, 120)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
