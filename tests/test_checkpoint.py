@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hmoe
-from hmoe import quant
+from hmoe import _reference, quant
 
 safetensors = pytest.importorskip("safetensors.torch", reason="load_experts reads safetensors")
 
@@ -100,8 +100,6 @@ def test_fp8_checkpoint(tmp_path):
     # With I a multiple of 128 (DeepSeek-V3: 2048) w13's blocks are the checkpoint's: re-blocking is exact
     assert torch.equal(quant.dequantize(k13), want13)
     _run_quantised(k13, k2)  # H = 160: a partial block of columns
-    from hmoe import _reference
-
     experts = hmoe.CPUExperts(w13, w2)
     x = torch.randn(2, 160)
     ids, w = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32), torch.ones(2, 2)
