@@ -58,8 +58,18 @@ def main() -> int:
                 lambda ids, n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw), prompt, opts.tokens)
         print(f"original (all on the CPU):  {t_orig * 1e3:8.2f} ms/token")
 
+    ref_logits = None
+    if original is not None:  # the next-token logits after the prompt, before and after patching
+        with torch.no_grad():
+            ref_logits = model(prompt).logits[0, -1].double()
     report = hn.patch_model(model)  # progress bar on stderr
     print(report)
+    if ref_logits is not None:
+        with torch.no_grad():
+            got = model(prompt).logits[0, -1].double()
+        rel = ((got - ref_logits).norm() / ref_logits.norm()).item()
+        print(f"next-token logits after the prompt, patched against the original: {rel:.2e} relative "
+              f"(bf16's unit roundoff: {2.0 ** -8:.2e})")
 
     attention = []
 
