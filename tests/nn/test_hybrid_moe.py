@@ -332,11 +332,12 @@ def test_forward_with_grad_warns_that_it_is_inference_only():
 
 
 # Logits of the quantised model against the fp32 original: measured 1.6e-3 (int8), 1.8e-2 (int4 in
-# groups of 32), 5.0e-3 (fp8) on this small model; the bounds leave 5x. The fp16 V2 model against its
+# groups of 32), 5.0e-3 (fp8) on this small model; the bounds leave 5x (int4 2x: its routed experts
+# halved move the logits by 5.5e-2, returning zeros by 0.11). The fp16 V2 model against its
 # unquantised self (tol16): measured 7.7e-4, 4.3e-3, 1.4e-3, bounds 5x; its routed experts returning
-# zeros moves its logits by 2.7e-2 only (the V3 model's by 0.11), which every bound must stay below.
+# zeros moves its logits by 2.7e-2 only, which every bound must stay below.
 # The kernels' own precision is tested against references in tests/ops/test_moe_experts_quant.py.
-@pytest.mark.parametrize("quant,group_size,tol,tol16", [("int8", None, 0.01, 0.004), ("int4", 32, 0.1, 0.022),
+@pytest.mark.parametrize("quant,group_size,tol,tol16", [("int8", None, 0.01, 0.004), ("int4", 32, 0.04, 0.022),
                                                         ("fp8", None, 0.025, 0.007)])
 def test_patch_with_quantised_experts(quant, group_size, tol, tol16):
     """The CPU experts quantised as they are packed: the model still computes nearly what it did (an
