@@ -236,11 +236,15 @@ CHILD_DAEMON_AT_EXIT = textwrap.dedent("""
     x, ids, w, w13, w2 = random_problem(1024, 512, 256, 16, 6, torch.bfloat16, torch.bfloat16)
     experts = hmoe.CPUExperts(w13, w2)  # a call takes tens of milliseconds or more
 
+    # Into buffers kept alive: a new output freed after every call would send the threads through
+    # torch's tensor deallocation, which releases and retakes the GIL itself and aborts a finalising
+    # interpreter the same way (THPVariable_clear), whatever hmoe does.
     def calls(fn):
+        out = torch.empty_like(x)
         while True:
-            fn(x, ids, w)
+            fn(x, ids, w, out=out)
 
-    for fn in (experts, lambda x, ids, w: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2)):
+    for fn in (experts, lambda x, ids, w, out: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, out=out)):
         threading.Thread(target=calls, args=(fn,), daemon=True).start()
     time.sleep(0.3)
     print("main done", flush=True)  # the interpreter finalises with the daemon threads inside calls
