@@ -59,9 +59,9 @@ inline void take_gil_back(PyThreadState* state) {
 template <class F>
 auto without_gil(F&& fn) {
   using R = std::invoke_result_t<F&>;
-  PyThreadState* state = PyEval_SaveThread();
-  std::exception_ptr error;
   if constexpr (std::is_void_v<R>) {
+    PyThreadState* state = PyEval_SaveThread();
+    std::exception_ptr error;
     try {
       fn();
     } catch (...) {
@@ -71,13 +71,7 @@ auto without_gil(F&& fn) {
     if (error) std::rethrow_exception(error);
   } else {
     std::optional<R> result;
-    try {
-      result.emplace(fn());
-    } catch (...) {
-      error = std::current_exception();
-    }
-    take_gil_back(state);
-    if (error) std::rethrow_exception(error);
+    without_gil([&] { result.emplace(fn()); });
     return std::move(*result);
   }
 }

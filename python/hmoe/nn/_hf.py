@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from ..ops import norm
+from ..validation import is_int
 
 
 def _is_linear_mlp(m) -> bool:
@@ -283,7 +284,6 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     Qwen-MoE, route differently: experts_implementation="hmoe" runs their experts); a model patched before
     gives a report saying so.
     """
-    from ..validation import is_int
     from .hybrid import HybridMoE
 
     if not isinstance(model, torch.nn.Module):
