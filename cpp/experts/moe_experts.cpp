@@ -85,8 +85,9 @@ constexpr int64_t kRowsMaxM = 4;
 
 struct Routing {
   std::vector<int64_t> offset;  // [E + 1]: rows of expert e are [offset[e], offset[e+1])
-  std::vector<int64_t> pos;     // [T * K]: row of slot (t, k)
+  std::vector<int64_t> pos;     // [T * K]: row of slot (t, k); -1 for an empty slot
   std::vector<int32_t> active;  // experts with rows
+  int64_t rows = 0;             // rows in all: the slots that are not empty
   int64_t max_rows = 0;
 };
 
@@ -98,24 +99,27 @@ Routing route(const MoeParams& p) {
     int64_t e =
         p.ids_dtype == kI64 ? static_cast<const int64_t*>(p.topk_ids)[s] : static_cast<const int32_t*>(p.topk_ids)[s];
     // The op's range check (Python leaves it here: this pass reads every id anyway, before any
-    // weight is touched). std::invalid_argument reaches Python as ValueError.
-    if (e < 0 || e >= p.E) {
+    // weight is touched). std::invalid_argument reaches Python as ValueError. -1 is an empty slot.
+    if (e < -1 || e >= p.E) {
       throw std::invalid_argument("topk_ids holds " + std::to_string(e) + " (token " + std::to_string(s / p.K) +
-                                  ", slot " + std::to_string(s % p.K) + "), outside [0, " + std::to_string(p.E) + ")");
+                                  ", slot " + std::to_string(s % p.K) + "), outside [0, " + std::to_string(p.E) +
+                                  ") and not -1 (an empty slot)");
     }
     ids[size_t(s)] = e;
   }
   r.offset.assign(size_t(p.E + 1), 0);
-  for (int64_t s = 0; s < S; ++s) ++r.offset[size_t(ids[size_t(s)] + 1)];
+  for (int64_t s = 0; s < S; ++s)
+    if (ids[size_t(s)] >= 0) ++r.offset[size_t(ids[size_t(s)] + 1)];
   for (int64_t e = 0; e < p.E; ++e) {
     int64_t n = r.offset[size_t(e + 1)];
     if (n > 0) r.active.push_back(int32_t(e));
     r.max_rows = std::max(r.max_rows, n);
     r.offset[size_t(e + 1)] += r.offset[size_t(e)];
   }
+  r.rows = r.offset[size_t(p.E)];
   std::vector<int64_t> fill(r.offset.begin(), r.offset.end() - 1);
   r.pos.resize(size_t(S));
-  for (int64_t s = 0; s < S; ++s) r.pos[size_t(s)] = fill[size_t(ids[size_t(s)])]++;
+  for (int64_t s = 0; s < S; ++s) r.pos[size_t(s)] = ids[size_t(s)] < 0 ? -1 : fill[size_t(ids[size_t(s)])]++;
   return r;
 }
 
@@ -171,7 +175,8 @@ void for_rows(int64_t S, int workers, F&& f) {
 }
 
 // The rows of x in expert order, on `workers` threads: each token's row is converted (or
-// quantised) once, into the row of its first slot, and copied to the rows of its other slots.
+// quantised) once, into the row of its first routed slot, and copied to the rows of its other
+// routed slots; a token whose slots are all empty is not read.
 template <class Rows>
 void gather(const MoeParams& p, const Routing& r, Rows& X, int workers) {
   std::vector<std::vector<float>> tmp(static_cast<size_t>(workers));
@@ -181,15 +186,20 @@ void gather(const MoeParams& p, const Routing& r, Rows& X, int workers) {
     std::vector<float>& row = tmp[size_t(w)];
     row.resize(size_t(p.H));
     for (int64_t t = task * chunk; t < std::min(p.T, (task + 1) * chunk); ++t) {
-      load_row_f32(static_cast<const char*>(p.x) + t * p.H * xsz, p.x_dtype, p.H, row.data());
       const int64_t* pos = r.pos.data() + t * p.K;
-      X.store(pos[0], row.data(), p.H);
-      for (int64_t k = 1; k < p.K; ++k) X.copy_row(pos[k], pos[0]);
+      int64_t k0 = 0;
+      while (k0 < p.K && pos[k0] < 0) ++k0;
+      if (k0 == p.K) continue;
+      load_row_f32(static_cast<const char*>(p.x) + t * p.H * xsz, p.x_dtype, p.H, row.data());
+      X.store(pos[k0], row.data(), p.H);
+      for (int64_t k = k0 + 1; k < p.K; ++k)
+        if (pos[k] >= 0) X.copy_row(pos[k], pos[k0]);
     }
   });
 }
 
-// out[t] = sum_k w[t, k] * Y[pos(t, k)], in k order, then rounded once to x's dtype.
+// out[t] = sum_k w[t, k] * Y[pos(t, k)] over the routed slots, in k order, then rounded once to
+// x's dtype (zeros for a token with no routed slot; an empty slot's weight is not read).
 void combine(const MoeParams& p, const Routing& r, const float* Y, int64_t ldy, int threads) {
   const int64_t chunk = std::max<int64_t>(1, p.T / (4 * threads));
   ThreadPool::instance().parallel_for(
@@ -198,8 +208,10 @@ void combine(const MoeParams& p, const Routing& r, const float* Y, int64_t ldy, 
         for (int64_t t = task * chunk; t < std::min(p.T, (task + 1) * chunk); ++t) {
           std::fill(acc.begin(), acc.end(), 0.f);
           for (int64_t k = 0; k < p.K; ++k) {
+            const int64_t row = r.pos[size_t(t * p.K + k)];
+            if (row < 0) continue;
             const float w = p.topk_weights[t * p.K + k];
-            const float* y = Y + r.pos[size_t(t * p.K + k)] * ldy;
+            const float* y = Y + row * ldy;
             for (int64_t j = 0; j < p.H; ++j) acc[size_t(j)] += w * y[j];
           }
           store_row(acc.data(), p.H, p.x_dtype, static_cast<char*>(p.out) + t * p.H * dtype_size(p.x_dtype));
@@ -248,7 +260,7 @@ void run_packed(const MoeParams& p, const Routing& r, int threads) {
   Workspace::Call ws;
   PhaseClock clock;
   ThreadPool& pool = ThreadPool::instance();
-  const int64_t S = p.T * p.K;
+  const int64_t S = r.rows;  // activation rows: one a routed slot
   const PackedK k13{p.H, p.group13, Fmt::groups(p.H, p.group13)}, k2{p.I, p.group2, Fmt::groups(p.I, p.group2)};
   const int64_t n_pairs = ceil_div(p.I, kBlockN), n_out = ceil_div(p.H, kBlockN);
   const int64_t bytes13 = Fmt::w13_bytes(p.H, p.I, p.group13), bytes2 = Fmt::w2_bytes(p.H, p.I, p.group2);
@@ -373,7 +385,7 @@ template <class Fmt>
 void run_rows(const MoeParams& p, const Routing& r, int threads) {
   Workspace::Call ws;
   ThreadPool& pool = ThreadPool::instance();
-  const int64_t S = p.T * p.K, n_pairs = ceil_div(p.I, kBlockN), n_out = ceil_div(p.H, kBlockN);
+  const int64_t S = r.rows, n_pairs = ceil_div(p.I, kBlockN), n_out = ceil_div(p.H, kBlockN);
   const int64_t wsz = sizeof(typename Fmt::Elem), ldh = n_pairs * kBlockN, ldy = n_out * kBlockN;
   ActRows<Act::kF32> X, Hact;
   X.round_bf16 = Hact.round_bf16 = Fmt::kAct == Act::kBF16;
@@ -448,6 +460,10 @@ void run_moe(const MoeParams& p) {
   with_format(p.w_format, [&](auto fmt) {
     using Fmt = decltype(fmt);
     const Routing r = route(p);
+    if (r.rows == 0) {  // every slot empty: no expert runs, the sum is zero
+      std::memset(p.out, 0, size_t(p.T * p.H * dtype_size(p.x_dtype)));
+      return;
+    }
     if constexpr (Fmt::kScaled) {
       if (!p.packed) throw std::invalid_argument("experts: quantised weights are only taken packed");
       run_packed<Fmt>(p, r, threads);

@@ -9,7 +9,7 @@ namespace hmoe {
 struct MoeParams {
   const void* x;  // [T, H], x_dtype
   int32_t x_dtype;
-  const void* topk_ids;  // [T, K], ids_dtype (int32 or int64)
+  const void* topk_ids;  // [T, K], ids_dtype (int32 or int64); -1: an empty slot (adds nothing)
   int32_t ids_dtype;
   const float* topk_weights;  // [T, K]
   const void* w13;            // [E, 2I, H] row-major, or packed (see below)

@@ -255,6 +255,8 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, *, contract: bool = True):
     xd = x.double()
     out = torch.zeros(T, H, dtype=torch.float64)
     for e in torch.unique(topk_ids).tolist():
+        if e == -1:  # empty slots add nothing
+            continue
         t, k = torch.where(topk_ids == e)
         gu = matmul(xd[t], W13, w13, e)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]

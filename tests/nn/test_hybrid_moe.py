@@ -106,6 +106,30 @@ def test_gpu_experts_by_id_and_by_count_give_the_same_output():
     assert int(full_counts.routing_counts.sum()) == 14 * 4
 
 
+def test_slots_of_gpu_experts_are_empty_for_the_cpu_experts():
+    # A slot routed to a GPU-resident expert reaches the CPU experts as -1, which computes no row (it was
+    # a weight-0 copy of another of the token's slots, or expert 0 for a token all on the GPU).
+    m = models.model("v3")
+    block = models.moe_blocks(m)[0]
+    moe = hn.HybridMoE.from_hf(block, gpu_experts=[0, 3, 15])
+    cpu_experts, seen = moe.experts, []
+
+    def recorded(x, ids, w):
+        seen.append(ids.clone())
+        return cpu_experts(x, ids, w)
+
+    moe.experts = recorded
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        y, want = moe(x), block(x)
+        _, ids = moe.route(x)
+    (got,) = seen
+    on_gpu = (ids.unsqueeze(-1) == torch.tensor([0, 3, 15], dtype=ids.dtype)).any(-1)
+    assert on_gpu.any() and torch.equal(got < 0, on_gpu)
+    assert torch.equal(got[~on_gpu], moe.cpu_index[ids[~on_gpu].long()])
+    assert _rel(y, want) <= 4 * _reference.unit_roundoff(torch.float32)
+
+
 def test_patch_with_a_count_uses_calibration():
     m = models.model("v2")
     ids = torch.randint(0, 128, (2, 16))

@@ -101,6 +101,43 @@ def test_duplicate_ids_and_zero_tokens():
     assert hmoe.CPUExperts(w13, w2)(x[:0], ids[:0], w[:0]).shape == (0, 32)
 
 
+def empty_slots(x, ids, w, gen):
+    """About a third of the slots set to -1 (empty), token 1's all of them; NaN where nothing may be read:
+    the empty slots' weights and token 1's row of x."""
+    ids[torch.rand(ids.shape, generator=gen) < 0.35] = -1
+    ids[1] = -1
+    w[ids < 0] = float("nan")
+    x[1] = float("nan")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_empty_slots(isa):
+    # T = 3 takes the decode (row-dot) path of moe_experts_cpu, T = 40 the packed path; a token whose
+    # slots are all empty gets exact zeros, a batch of only empty slots as well.
+    g = torch.Generator().manual_seed(torch.seed() % (2**31))
+    for T, H, I, E, K in [(3, 67, 37, 6, 3), (40, 45, 50, 5, 3)]:
+        for ids_dtype in (torch.int32, torch.int64):
+            x, ids, w, w13, w2 = random_problem(T, H, I, E, K, torch.bfloat16, torch.bfloat16, ids_dtype=ids_dtype,
+                                                gen=g)
+            empty_slots(x, ids, w, g)
+            experts = hmoe.CPUExperts(w13, w2, isa=isa)
+            for y in (hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, isa=isa), experts(x, ids, w)):
+                assert torch.equal(y[1], torch.zeros_like(y[1]))
+                keep = torch.arange(T) != 1
+                check(y[keep], x[keep], ids[keep], w[keep], w13, w2)
+            ids.fill_(-1)
+            out = torch.full_like(x, float("nan"))  # poisoned
+            assert torch.equal(experts(x, ids, w, out=out), torch.zeros_like(x))
+            assert torch.equal(hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, isa=isa), torch.zeros_like(x))
+
+
+def test_only_minus_one_is_empty():
+    x, ids, w, w13, w2 = random_problem(4, 32, 16, 3, 2, torch.float32, torch.float32)
+    ids[2, 1] = -2
+    with pytest.raises(ValueError, match=r"topk_ids holds -2 \(token 2, slot 1\).*not -1"):
+        hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2)
+
+
 def test_threads_and_concurrent_callers():
     x, ids, w, w13, w2 = random_problem(64, 128, 96, 8, 2, torch.bfloat16, torch.bfloat16)
     experts = hmoe.CPUExperts(w13, w2)

@@ -10,7 +10,7 @@ from hmoe import _reference, quant
 from hmoe.ops import library
 
 from .experts_reference import random_problem, rel_err
-from .test_moe_experts import ISAS
+from .test_moe_experts import ISAS, empty_slots
 
 X_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (format, group_size): int8 per row and per group, int4 per group, fp8 in DeepSeek's 128 x 128
@@ -50,6 +50,22 @@ def test_formats_against_references(fmt, group, x_dtype):
     # the ISA has one); H, I multiples of every group.
     for T, H, I, E, K in [(1, 256, 128, 6, 2), (3, 128, 256, 5, 3), (40, 256, 384, 6, 3)]:
         _check_isas(ISAS, *_problem(T, H, I, E, K, fmt, group, x_dtype, seed=T))
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS[::2], ids=str)
+def test_empty_slots(fmt, group):
+    """-1 slots add nothing and read nothing (their weights and an all-empty token's x are NaN)."""
+    g = torch.Generator().manual_seed(5)
+    for T, H, I, E, K in [(3, 128, 256, 5, 3), (40, 256, 384, 6, 3)]:
+        x, ids, w, q13, q2 = _problem(T, H, I, E, K, fmt, group, seed=T)
+        empty_slots(x, ids, w, g)
+        keep = torch.arange(T) != 1
+        _check_isas(ISAS, x[keep], ids[keep], w[keep], q13, q2)
+        for isa in ISAS:
+            y = hmoe.CPUExperts(q13, q2, isa=isa)(x, ids, w)
+            assert torch.equal(y[1], torch.zeros_like(y[1]))
+            ref = hmoe.CPUExperts(q13, q2, isa=isa)(x[keep], ids[keep], w[keep])
+            assert torch.equal(y[keep], ref), isa
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", None), ("fp8", (128, 128))], ids=str)

@@ -205,17 +205,11 @@ class HybridMoE(torch.nn.Module):
         self.routing_counts.index_add_(0, flat, ones)
 
     def _cpu_routing(self, ids, weights):
-        """ids in the CPU experts' numbering (int32) and their weights: a slot of a GPU-resident expert
-        points at a CPU expert the token already uses (or the first one) with weight 0, which costs no
-        extra weight traffic."""
+        """ids in the CPU experts' numbering (int32) and their weights: a slot of a GPU-resident expert is
+        -1, an empty slot the CPU experts skip (no row computed, no weight read)."""
         if self.gpu_w13 is None:
             return ids, weights
-        cid = self.cpu_index[ids.long()]
-        on_cpu = cid >= 0
-        big = torch.iinfo(torch.int32).max
-        fill = torch.where(on_cpu, cid, big).amin(dim=1, keepdim=True)
-        fill = torch.where(fill == big, 0, fill)
-        return torch.where(on_cpu, cid, fill).to(torch.int32), torch.where(on_cpu, weights, 0.0)
+        return self.cpu_index[ids.long()], weights
 
     def _gpu_routed(self, x, ids, weights):
         """The GPU-resident experts' part of the routed sum, dense over those experts (no data-dependent

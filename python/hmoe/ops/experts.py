@@ -22,8 +22,8 @@ topk_weights are fp32 and used as given (no renormalisation).
 
 Arguments are checked by the native entry point before any pointer is used (cpp/experts/
 experts_entry.h; a tensor costs tens of nanoseconds there); expert ids are range-checked by the
-routing pass, which reads each id before any weight is touched (an id outside [0, E) is a
-ValueError naming the token).
+routing pass, which reads each id before any weight is touched (an id outside [0, E) other than
+-1, the empty slot, is a ValueError naming the token).
 """
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def moe_experts_cpu(x, topk_ids, topk_weights, w13, w2, *, isa: str | None = Non
     """y[t] = sum_k topk_weights[t, k] * (silu(x[t] Wg^T) * (x[t] Wu^T)) Wd^T for expert
     e = topk_ids[t, k], where w13[e] = [Wg; Wu] ([2I, H]) and w2[e] = Wd ([H, I]).
 
-    x: [T, H] fp32/fp16/bf16; topk_ids: [T, K] int32/int64; topk_weights: [T, K] fp32;
+    x: [T, H] fp32/fp16/bf16; topk_ids: [T, K] int32/int64, each in [0, E) or -1 for an empty slot
+    (one that adds nothing and whose weight is not read: a token's slots routed elsewhere, such as to
+    experts on a GPU; a token with only empty slots gets zeros); topk_weights: [T, K] fp32;
     w13: [E, 2I, H], w2: [E, H, I] in fp32/fp16/bf16 (one dtype, independent of x's).
     Returns [T, H] in x.dtype (written into `out` when given: [T, H], x's dtype, sharing no
     memory with the inputs). All tensors on the CPU and contiguous. `isa` forces an ISA
