@@ -128,15 +128,16 @@ def test_bad_input_without_gpu():
 
 # --- GPU ----------------------------------------------------------------------------------------
 
-def run_and_check(q, k, v, qo, kv, *, variant=None, causal=True, scale=SCALE, tight=True):
+def run_and_check(q, k, v, qo, kv, *, variant=None, causal=True, scale=SCALE, tight=True, kv_seen=None):
     """ragged_prefill (forced to `variant`) into a NaN-poisoned out, against both references;
-    returns (out, lse)."""
+    returns (out, lse). kv_seen: the kv_indptr the references use, where kv's entries are clamped."""
     H, dv = q.shape[1], v.shape[2]
     out = torch.full((q.shape[0], H, dv), float("nan"), dtype=q.dtype, device="cuda")
     got, lse = hmoe.ops.ragged_prefill(q, k, v, qo, kv, causal=causal, sm_scale=scale, return_lse=True, out=out,
                                        variant=variant)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr() and got.dtype == q.dtype and lse.dtype == torch.float32
+    kv = kv if kv_seen is None else kv_seen
     ref, ref_lse = _reference.prefill(q, k, v, qo, kv, scale, causal)
     seen = torch.isfinite(ref_lse)
     assert (got[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
@@ -265,14 +266,14 @@ def test_hmoe_picks_sm90a_on_hopper_and_portable_elsewhere():
 @pytest.mark.gpu
 def test_nan_beyond_the_batch_and_clamped_indices(variant):
     # make_ragged puts NaN rows right after each batch's k/v; indptr entries past the rows or
-    # decreasing are clamped (never read outside k/v); check_indices names them instead
+    # decreasing are clamped (never read outside k/v): each request then sees the keys the clamped
+    # entries give it (the docstring's rule), and check_indices names the entries instead
     q, k, v, qo, kv = make_ragged([100, 28], [100, 28], 2, 2, (192, 128), torch.bfloat16, "cuda", gen(9))
     run_and_check(q, k, v, qo, kv, variant=variant)
-    for bad in ([0, 100, 10**6], [0, 120, 50], [-5, 100, 128]):
+    for bad, seen in (([0, 100, 10**6], [0, 100, 128]), ([0, 120, 50], [0, 120, 120]), ([-5, 100, 128], [0, 100, 128])):
         kv_bad = torch.tensor(bad, dtype=torch.int32, device="cuda")
-        out = hmoe.ops.ragged_prefill(q, k, v, qo, kv_bad, sm_scale=SCALE, causal=False, variant=variant)
-        torch.cuda.synchronize()
-        assert torch.isfinite(out.float()).all()
+        run_and_check(q, k, v, qo, kv_bad, variant=variant, causal=False,
+                      kv_seen=torch.tensor(seen, dtype=torch.int32, device="cuda"))
         with pytest.raises(ValueError, match="kv_indptr"):
             hmoe.ops.ragged_prefill(q, k, v, qo, kv_bad, sm_scale=SCALE, check_indices=True)
     with pytest.raises(ValueError, match=r"qo_indptr\[2\] = 127, expected 128"):
