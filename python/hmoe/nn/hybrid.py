@@ -209,7 +209,7 @@ class HybridMoE(torch.nn.Module):
         -1, an empty slot the CPU experts skip (no row computed, no weight read)."""
         if self.gpu_w13 is None:
             return ids, weights
-        return self.cpu_index[ids.long()], weights
+        return self.cpu_index[ids], weights  # int32 ids index directly: one kernel
 
     def _gpu_routed(self, x, ids, weights):
         """The GPU-resident experts' part of the routed sum, dense over those experts (no data-dependent
