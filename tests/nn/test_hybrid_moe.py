@@ -130,6 +130,28 @@ def test_slots_of_gpu_experts_are_empty_for_the_cpu_experts():
     assert _rel(y, want) <= 4 * _reference.unit_roundoff(torch.float32)
 
 
+def test_gpu_experts_run_in_token_chunks_of_bounded_temporaries(monkeypatch):
+    E, H, inter = 8, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    g, w13, w2 = (torch.randn(*s, generator=gen) for s in ((E, H), (E, 2 * inter, H), (E, H, inter)))
+    moe = hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=[1, 5])
+    x = torch.randn(50, H, generator=gen)
+    part, seen = moe._gpu_part, []
+
+    def recorded(x, *args):
+        seen.append(x.shape[0])
+        return part(x, *args)
+
+    monkeypatch.setattr(moe, "_gpu_part", recorded)
+    with torch.no_grad():
+        whole = moe(x)
+        assert seen == [50]
+        moe.GPU_PART_BYTES = 7 * 2 * ((3 * inter + H) * 4 + 8 * H)  # 7 tokens' temporaries of 2 GPU experts
+        chunked = moe(x)
+    assert seen == [50] + [7] * 7 + [1]
+    assert _rel(chunked, whole) <= 4 * _reference.unit_roundoff(torch.float32)
+
+
 def test_patch_with_a_count_uses_calibration():
     m = models.model("v2")
     ids = torch.randint(0, 128, (2, 16))

@@ -211,13 +211,30 @@ class HybridMoE(torch.nn.Module):
             return ids, weights
         return self.cpu_index[ids], weights  # int32 ids index directly: one kernel
 
+    # The GPU-resident experts' temporaries of a call stay below this many bytes: tokens go through them
+    # in chunks (a long prompt with many GPU experts held tens of GB at once: [T, G, H] in fp32).
+    GPU_PART_BYTES = 256 << 20
+
     def _gpu_routed(self, x, ids, weights):
         """The GPU-resident experts' part of the routed sum, dense over those experts (no data-dependent
-        shapes, so it can be captured), in x's dtype."""
+        shapes, so it can be captured), in x's dtype; tokens in chunks of bounded temporaries."""
+        w13, w2 = self.gpu_w13.to(x.dtype), self.gpu_w2.to(x.dtype)
+        G, two_i, H = w13.shape
+        # per token: gate and up, h, y in x's dtype, y in fp32 and its weighted copy
+        per_token = G * ((two_i + two_i // 2 + H) * x.element_size() + 8 * H)
+        T, chunk = x.shape[0], max(1, self.GPU_PART_BYTES // per_token)
+        if T <= chunk or torch.compiler.is_compiling():
+            return self._gpu_part(x, ids, weights, w13, w2)
+        out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            out[t0:t1] = self._gpu_part(x[t0:t1], ids[t0:t1], weights[t0:t1], w13, w2)
+        return out
+
+    def _gpu_part(self, x, ids, weights, w13, w2):
         wg = (weights.unsqueeze(-1) * (ids.unsqueeze(-1) == self.gpu_ids)).sum(1)  # [T, G] fp32
-        gu = torch.einsum("th,gih->tgi", x, self.gpu_w13.to(x.dtype))
-        g, u = gu.chunk(2, dim=-1)
-        y = torch.einsum("tgi,ghi->tgh", F.silu(g) * u, self.gpu_w2.to(x.dtype))
+        g, u = torch.einsum("th,gih->tgi", x, w13).chunk(2, dim=-1)
+        y = torch.einsum("tgi,ghi->tgh", F.silu(g) * u, w2)
         return (y.float() * wg.unsqueeze(-1)).sum(1).to(x.dtype)
 
     def _experts_sync(self, x, ids, weights):
