@@ -6,7 +6,10 @@ patches it with hmoe.nn.patch_model, generates again, and prints the time per to
 the original keeps everything on the GPU, and the patched model decodes with CUDA graphs
 (hmoe.nn.GraphDecoder); on the CPU both run eagerly.
 
-    python examples/deepseek_hybrid.py [--preset small|v2-lite|tiny] [--tokens 32] [--cpu]
+    python examples/deepseek_hybrid.py [--preset small|v2-lite|tiny] [--tokens 32] [--cpu] [--gpu-experts N]
+
+--gpu-experts N keeps each MoE layer's N busiest experts (by the routing of the prompt) where the hidden
+states are, the others on the CPU (hmoe.nn.patch_model's gpu_experts and calibration).
 """
 import argparse
 import sys
@@ -34,14 +37,22 @@ def main() -> int:
     p.add_argument("--preset", default="small", choices=sorted(models.PRESETS))
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--cpu", action="store_true", help="keep everything on the CPU even if a GPU is present")
+    p.add_argument("--gpu-experts", type=int, default=0,
+                   help="experts per MoE layer kept with the hidden states, the busiest on the prompt (default 0)")
     opts = p.parse_args()
     if opts.tokens < 1:
         p.error("--tokens must be at least 1")
+    if opts.gpu_experts < 0:
+        p.error("--gpu-experts must be at least 0")
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.cpu else "cpu")
     dtype = torch.bfloat16
     print(f"building a random {opts.preset} model ({dtype}, on {device}, routed experts in host memory)")
     model = models.build(opts.preset, dtype=dtype, device=device)
     cfg = model.config
+    if opts.gpu_experts >= cfg.n_routed_experts:
+        print(f"--gpu-experts {opts.gpu_experts}: the model has {cfg.n_routed_experts} routed experts a layer; "
+              "leave at least one on the CPU", file=sys.stderr)
+        return 2
     prompt = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
 
     kw = dict(do_sample=False, pad_token_id=0)
@@ -62,7 +73,8 @@ def main() -> int:
     if original is not None:  # the next-token logits after the prompt, before and after patching
         with torch.no_grad():
             ref_logits = model(prompt).logits[0, -1].double()
-    report = hn.patch_model(model)  # progress bar on stderr
+    placement = dict(gpu_experts=opts.gpu_experts, calibration=prompt) if opts.gpu_experts else {}
+    report = hn.patch_model(model, **placement)  # progress bar on stderr
     print(report)
     if ref_logits is not None:
         with torch.no_grad():
@@ -80,6 +92,8 @@ def main() -> int:
 
     patched, t_hyb = per_token(hybrid, prompt, opts.tokens)
     how = "CUDA graphs" if device.type == "cuda" else "eager"
+    if opts.gpu_experts:
+        how += f", {opts.gpu_experts} experts a layer on {device}"
     print(f"patched (experts on the CPU, {how}): {t_hyb * 1e3:8.2f} ms/token; decode attention: {attention[-1]}")
     if original is not None:
         same = int((patched[0, : original.shape[1]] == original[0]).sum()) - prompt.shape[1]
