@@ -233,19 +233,24 @@ CHILD_DAEMON_AT_EXIT = textwrap.dedent("""
     import threading, time, torch, hmoe
     from tests.ops.experts_reference import random_problem
     hmoe.set_num_threads(2)
-    x, ids, w, w13, w2 = random_problem(1024, 512, 256, 16, 6, torch.bfloat16, torch.bfloat16)
-    experts = hmoe.CPUExperts(w13, w2)  # a call takes tens of milliseconds or more
 
     # Into buffers kept alive: a new output freed after every call would send the threads through
     # torch's tensor deallocation, which releases and retakes the GIL itself and aborts a finalising
     # interpreter the same way (THPVariable_clear), whatever hmoe does.
-    def calls(fn):
+    def calls(fn, x, ids, w):
         out = torch.empty_like(x)
         while True:
             fn(x, ids, w, out=out)
 
-    for fn in (experts, lambda x, ids, w, out: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, out=out)):
-        threading.Thread(target=calls, args=(fn,), daemon=True).start()
+    # Long calls (tens of milliseconds: the finalisation begins inside the native work) and short
+    # ones (microseconds: it begins while the arguments are read, where torch's is_neg() released
+    # the GIL and aborted every exit)
+    for T, H, I in ((1024, 512, 256), (2, 32, 16)):
+        x, ids, w, w13, w2 = random_problem(T, H, I, 16, 6, torch.bfloat16, torch.bfloat16)
+        experts = hmoe.CPUExperts(w13, w2)
+        op = lambda x, ids, w, out, w13=w13, w2=w2: hmoe.ops.moe_experts_cpu(x, ids, w, w13, w2, out=out)
+        for fn in (experts, op):
+            threading.Thread(target=calls, args=(fn, x, ids, w), daemon=True).start()
     time.sleep(0.3)
     print("main done", flush=True)  # the interpreter finalises with the daemon threads inside calls
 """)

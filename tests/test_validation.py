@@ -70,6 +70,29 @@ def test_experts_refuse_tensors_without_memory(kind, arg, call):
         call(a)
 
 
+@pytest.mark.parametrize("arg", ["x", "topk_ids", "topk_weights", "w13", "w2"])
+def test_neg_views_are_refused_outside_the_main_thread(arg):
+    # There the neg bit of a CPU tensor is read from its dispatch keys, not by is_neg() (which
+    # releases the GIL: a daemon thread inside it at exit aborted the process): the same refusal.
+    import threading
+
+    a = _experts_args()
+    a[arg] = torch._neg_view(a[arg])
+    caught = []
+
+    def run():
+        for call in (_call_functional, _call_class):
+            try:
+                call(a)
+            except ValueError as e:
+                caught.append(str(e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert len(caught) == 2 and all(m.startswith(f"{arg} is a lazily negated") for m in caught), caught
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("kind", sorted(BAD))
 @pytest.mark.parametrize("arg", ["router_logits", "bias"])
