@@ -110,6 +110,15 @@ def test_a_device_may_be_given_as_an_ordinal_a_string_or_a_torch_device(device):
             mla.route(bad, 128, 64)
 
 
+def test_the_device_goes_by_the_name_the_readme_gives_it(device):
+    # README: route(device, heads, page_size) and plan(device, batch, heads, max_pages, page_size); the
+    # parameter was called index, so device= was a TypeError
+    device(F.H200)
+    assert mla.route(device="cuda:0", heads=128, page_size=64) is mla.route(0, 128, 64)
+    assert mla.plan(device=torch.device("cuda", 0), batch=4, heads=128, max_pages=8, page_size=64) == \
+        mla.plan(0, 4, 128, 8, 64)
+
+
 @pytest.mark.parametrize("how", ["arg", "env"])
 def test_forcing_a_family_on_a_shape_it_declines_is_an_error(device, monkeypatch, how):
     device(F.H200)

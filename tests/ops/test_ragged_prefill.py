@@ -126,6 +126,13 @@ def test_bad_input_without_gpu():
             prefill_mod.plan(0, 277, 2, 4, 2, 128, 128, config=config)
 
 
+def test_plan_takes_the_device_by_the_name_the_readme_gives_it():
+    # README: plan(device, total_q, batch, heads, kv_heads, head_dim_qk, head_dim_v); device= reaches the
+    # device check (the parameter was called index: a TypeError before any check)
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        prefill_mod.plan(device="cpu", total_q=277, batch=2, heads=4, kv_heads=2, head_dim_qk=128, head_dim_v=128)
+
+
 # --- GPU ----------------------------------------------------------------------------------------
 
 def run_and_check(q, k, v, qo, kv, *, variant=None, causal=True, scale=SCALE, tight=True, kv_seen=None):

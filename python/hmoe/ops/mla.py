@@ -90,15 +90,15 @@ def forced_declined(variant: str, source: str, heads: int, page_size: int, devic
             f"{why}; the {FALLBACK!r} variant serves this shape (force it, or leave the choice to hmoe)")
 
 
-def route(index, heads: int, page_size: int, variant: str | None = None, *,
+def route(device, heads: int, page_size: int, variant: str | None = None, *,
           own: bool = False) -> dispatch.Selection:
-    """Which variant runs mla_decode calls of `heads` heads and page size `page_size` on cuda:<index>
-    (`index`: the CUDA ordinal, or "cuda:N" / a torch.device):
+    """Which variant runs mla_decode calls of `heads` heads and page size `page_size` on `device` (the
+    CUDA ordinal, "cuda:N" or a torch.device):
     the device's selection (_cuda.select: forced by `variant` or HMOE_CUDA_VARIANT; own=True ignores
     the latter), unless its family declines the shape: then FALLBACK, with a reason that says why
     (logged once). Forcing a family that declines the shape is a ValueError. Decided once per
     (device, heads, page size, variant, HMOE_CUDA_VARIANT) and cached: a call pays a dict lookup."""
-    index = _cuda.ordinal(index)
+    index = _cuda.ordinal(device)
     key = (index, heads, page_size, variant, None if own else _env.get("HMOE_CUDA_VARIANT"))
     sel = _routes.get(key)
     if sel is None:
@@ -116,16 +116,16 @@ def route(index, heads: int, page_size: int, variant: str | None = None, *,
     return sel
 
 
-def plan(index, batch: int, heads: int, max_pages: int, page_size: int, *, config: int | None = None,
+def plan(device, batch: int, heads: int, max_pages: int, page_size: int, *, config: int | None = None,
          tma: bool | None = None, variant: str | None = None) -> MlaPlan:
-    """The plan mla_decode follows for this shape on cuda:<index> (the ordinal, or "cuda:N" / a
-    torch.device): computed once per shape by the
-    module of the variant that runs it (route()) and cached there. It depends on shapes only (never
-    on seq_lens), so a captured graph replays with new lengths. `config` and `tma` override it for
-    tests and tuning (default: $HMOE_MLA_CONFIG, $HMOE_MLA_TMA; see _overrides). Where
-    HMOE_CUDA_VARIANT names an optional backend, the plan is that of hmoe's own choice."""
+    """The plan mla_decode follows for this shape on `device` (the CUDA ordinal, "cuda:N" or a
+    torch.device): computed once per shape by the module of the variant that runs it (route()) and
+    cached there. It depends on shapes only (never on seq_lens), so a captured graph replays with new
+    lengths. `config` and `tma` override it for tests and tuning (default: $HMOE_MLA_CONFIG,
+    $HMOE_MLA_TMA; see _overrides). Where HMOE_CUDA_VARIANT names an optional backend, the plan is
+    that of hmoe's own choice."""
     config, tma = _overrides(config, tma)
-    index = _cuda.ordinal(index)
+    index = _cuda.ordinal(device)
     sel = route(index, heads, page_size, variant)
     if sel.backend:
         if variant:

@@ -68,14 +68,14 @@ def _config(config: int | None) -> int:
         raise ValueError(f"HMOE_PREFILL_CONFIG={env!r} is not a configuration index") from None
 
 
-def plan(index, total_q: int, batch: int, heads: int, kv_heads: int, head_dim_qk: int, head_dim_v: int, *,
+def plan(device, total_q: int, batch: int, heads: int, kv_heads: int, head_dim_qk: int, head_dim_v: int, *,
          config: int | None = None, variant: str | None = None) -> PrefillPlan:
-    """The plan ragged_prefill and paged_prefill follow for this shape on cuda:<index> (the ordinal, or
-    "cuda:N" / a torch.device; computed once per shape by the selected variant's module and cached
+    """The plan ragged_prefill and paged_prefill follow for this shape on `device` (the CUDA ordinal,
+    "cuda:N" or a torch.device; computed once per shape by the selected variant's module and cached
     there). It depends on shapes only, never on the index arrays, so a captured graph replays with new
     ones. `config` overrides it for tests and tuning (default: $HMOE_PREFILL_CONFIG)."""
     config = _config(config)  # before the device: a bad value is the same error everywhere
-    index = _cuda.ordinal(index)
+    index = _cuda.ordinal(device)
     sel = _cuda.select("ragged_prefill", index, variant)
     mod = _cuda.module(index, "ragged_prefill", sel=sel)
     return PrefillPlan(*mod.ragged_prefill_plan(index, total_q, batch, heads, kv_heads, head_dim_qk, head_dim_v,
