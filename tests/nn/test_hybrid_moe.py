@@ -250,6 +250,12 @@ def test_constructor_errors():
         hn.HybridMoE(g, w13, torch.randn(E, H, inter + 1), top_k=2)
     with pytest.raises(ValueError, match="top_k"):
         hn.HybridMoE(g, w13, w2, top_k=9)
+    # the router options are grouped_topk's, which takes ints only (top_k=2.5 routed 2 experts a token)
+    for name, kw in (("top_k", dict(top_k=2.5)), ("top_k", dict(top_k=True)), ("n_group", dict(top_k=2, n_group=2.0)),
+                     ("topk_group", dict(top_k=2, n_group=2, topk_group="1"))):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            hn.HybridMoE(g, w13, w2, **kw)
+    assert hn.HybridMoE(g, w13, w2, top_k=np.int64(2), n_group=np.int32(2), topk_group=1).top_k == 2
     with pytest.raises(ValueError, match="scoring"):
         hn.HybridMoE(g, w13, w2, top_k=2, scoring="tanh")
     with pytest.raises(ValueError, match="leave at least one on the CPU"):

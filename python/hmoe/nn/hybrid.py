@@ -83,6 +83,9 @@ class HybridMoE(torch.nn.Module):
                              f"[E, H], w13 {tuple(w13.shape)} = [E, 2I, H], w2 {tuple(w2.shape)} = [E, H, I]")
         if scoring not in _SCORINGS:
             raise ValueError(f"HybridMoE: scoring must be one of {_SCORINGS}, got {scoring!r}")
+        for name, v in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
+            if not is_int(v):  # as grouped_topk refuses them: int() would route top_k=2.5 as 2 and True as 1
+                raise TypeError(f"HybridMoE: {name} must be an int, got {v!r} of type {type(v).__name__}")
         if not 1 <= top_k <= E:
             raise ValueError(f"HybridMoE: top_k = {top_k} must be in [1, E = {E}]")
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, w2.shape[2]
