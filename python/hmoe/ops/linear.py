@@ -14,7 +14,8 @@ MAX_ROWS = spec.constants()["decode_linear_max_rows"]
 
 def applies(x, weight) -> bool:
     """Whether decode_linear takes x and weight as they are (the callers that fall back to a library
-    matmul otherwise ask this): both on a CUDA device in one 16-bit dtype, x [M <= MAX_ROWS, K] and
+    matmul otherwise ask this): x on a CUDA device (weight's device is the op's check: a mismatch is its
+    ValueError, as it would be the matmul's error), both in one 16-bit dtype, x [M <= MAX_ROWS, K] and
     weight [N, K] contiguous and 16-byte aligned, K a multiple of 8; never under torch.compile, which
     traces the library matmul instead."""
     torch = V.torch_module()

@@ -13,7 +13,8 @@ MAX_DIM = spec.constants()["rms_norm_max_dim"]
 
 def applies(x, weight) -> bool:
     """Whether rms_norm takes x and weight as they are (the callers that fall back to torch otherwise ask
-    this): both on a CUDA device in one 16-bit dtype, x contiguous with a last dimension that is a
+    this): x on a CUDA device (weight's device is the op's check: a mismatch is its ValueError, as it
+    would be torch's error), both in one 16-bit dtype, x contiguous with a last dimension that is a
     multiple of 8 up to MAX_DIM, both 16-byte aligned; never under torch.compile, which traces torch's
     rms_norm instead."""
     torch = V.torch_module()
