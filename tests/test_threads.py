@@ -310,7 +310,8 @@ CHILD_FEWER_THREADS = textwrap.dedent("""
     time.sleep(0.05)
     after = switches()
     woken = {n: after[n] - before[n] for n in before}
-    assert len(woken) == 6 and max(woken.values()) <= 4, woken
+    # hmoe-cpu-2 .. 7 at least (packing at the default count, more cores than 8 start more workers)
+    assert len(woken) >= 6 and max(woken.values()) <= 4, woken
     print("OK")
 """)
 
