@@ -290,8 +290,8 @@ class HybridMoE(torch.nn.Module):
 
     def check(self) -> None:
         """Raises RuntimeError if a run of the CPU experts handed over on a CUDA stream (doorbell or host
-        function) failed since the last check
-        (that step's routed output was NaN). Synchronise the stream first to see the latest step."""
+        function) failed since the last check (that step's routed output was NaN). Synchronise the
+        stream first to see the latest step."""
         for job in self._jobs.values():
             err = job.error()
             if err:
