@@ -85,9 +85,9 @@ do_install() {
 }
 do_tests() {
   # A copy of tests/ (plus ci/ for the verifier's tests, examples/ for the examples' test,
-  # pyproject.toml for pytest's settings)
+  # cmake/ for the build options' test, pyproject.toml for pytest's settings)
   # outside the source tree: `import hmoe` can only find the venv's installed copy.
-  mkdir -p "$work/t" && cp -r tests ci examples pyproject.toml "$work/t/"
+  mkdir -p "$work/t" && cp -r tests ci examples cmake pyproject.toml "$work/t/"
   (cd "$work/t" && "$work/venv/bin/python" - "$work/venv" <<'EOF'
 import sys, hmoe
 where = hmoe.__file__
