@@ -1,6 +1,8 @@
 """Tensor arguments with no real memory behind them (FakeTensor, wrapper subclasses, other
 subclasses, null storage, lazy neg/conj views) and out-of-range scalars are refused by every op
 before native code runs; nn.Parameter is a plain tensor and is accepted."""
+import threading
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -74,8 +76,6 @@ def test_experts_refuse_tensors_without_memory(kind, arg, call):
 def test_neg_views_are_refused_outside_the_main_thread(arg):
     # There the neg bit of a CPU tensor is read from its dispatch keys, not by is_neg() (which
     # releases the GIL: a daemon thread inside it at exit aborted the process): the same refusal.
-    import threading
-
     a = _experts_args()
     a[arg] = torch._neg_view(a[arg])
     caught = []
