@@ -18,8 +18,9 @@ math, rounded once per value: see that op) and its cache layer holds the latents
 otherwise they are the module's own (the functions of its transformers version) and cache.update. On a
 CUDA device the attention is hmoe.ops.mla_decode over the static cache viewed as pages of PAGE tokens; on
 the CPU both ops are the same math in fp32 with torch (the reference the tests compare with).
-Only for aligned batches: every sequence of the batch has the same length and no padding (mla_decode
-attends to the first seq_lens tokens of each row and takes no mask), which GraphDecoder guarantees.
+Row b's tokens are at slots 0 .. seq_lens[b] - 1 of its cache row and its new token goes to the next
+one (mla_decode attends to the first seq_lens tokens of each row and takes no mask): GraphDecoder puts
+each padded prompt's tokens at the front of its row, so rows of different lengths need no mask.
 """
 from __future__ import annotations
 
@@ -257,6 +258,10 @@ class AbsorbedDecode:
             q_pe, k_pe = _rope(m, q[..., nope:].unsqueeze(2), k_pe.view(B, 1, 1, rope), position_embeddings)
             q_pe = q_pe.reshape(B, H, rope)
             keys, values = cache.update(kv_nope, k_pe, m.layer_idx)
+            # update wrote every row at one slot, the longest row's: each row's own slot (rows of prompts of
+            # different lengths), where a shorter row's stray write lies beyond its tokens until overwritten
+            rows, pos = torch.arange(B, device=keys.device), self.seq_lens.long() - 1
+            keys[rows, 0, pos], values[rows, 0, pos] = kv_nope.view(B, R).to(keys.dtype), k_pe.view(B, rope).to(values.dtype)
         else:
             q_pe, keys, values = appended
         if keys.dim() != 4 or keys.shape[1] != 1 or keys.shape[-1] != R or values.shape[-1] != rope:

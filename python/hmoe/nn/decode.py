@@ -14,24 +14,57 @@ from . import _mla, _staging
 ATTENTIONS = ("auto", "hmoe", "model")
 
 
+def _parameters(model):
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
 def _cache_keyword(model) -> str:
     """The name under which the model's forward takes its cache: "cache" where the forward declares it
     (transformers renamed past_key_values to cache; its forwards still take the old name, with a
     deprecation warning), else "past_key_values"."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in _parameters(model) else "past_key_values"
+
+
+def _prompt_lengths(input_ids, attention_mask):
+    """Each row's prompt length [B] (int64, on input_ids' device) and the order that packs its tokens to
+    the front ([B, L], or None when no row is padded); attention_mask checked."""
+    B, L = input_ids.shape
+    if attention_mask is None:
+        return torch.full((B,), L, dtype=torch.long, device=input_ids.device), None
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, L):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"GraphDecoder.prefill: attention_mask must be a [{B}, {L}] tensor like input_ids, got {got}")
+    if attention_mask.dtype != torch.bool and (attention_mask.is_floating_point() or attention_mask.is_complex()):
+        raise TypeError(f"GraphDecoder.prefill: attention_mask must be bool or integer (1 for a prompt's tokens, 0 "
+                        f"for padding), got {attention_mask.dtype}")
+    mask = attention_mask.to(input_ids.device)
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("GraphDecoder.prefill: attention_mask holds values other than 0 and 1")
+    kept = mask.bool()
+    lens = kept.sum(1)
+    empty = (lens == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"GraphDecoder.prefill: row(s) {empty} of attention_mask have no token: every prompt needs "
+                         "at least one")
+    if bool((lens == L).all()):
+        return lens, None
+    return lens, torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)  # the kept tokens first, in order
 
 
 class GraphDecoder:
     """GraphDecoder(model, *, batch_size, max_cache_len, capture=True, attention="auto") for a transformers
     causal LM.
 
-    prefill(input_ids [B, L]) runs the prompt eagerly into a StaticCache and returns the last
-    logits [B, V]; step(ids [B]) runs one decode step and returns its logits [B, V] (a view of a
-    static buffer: copy it to keep it). The first step runs eagerly (warm-up: HybridMoE creates its
+    prefill(input_ids [B, L], attention_mask=None) runs the prompts eagerly into a StaticCache and
+    returns each one's last logits [B, V]; step(ids [B]) runs one decode step and returns its logits
+    [B, V] (a view of a static buffer: copy it to keep it). Prompts of different lengths come padded to
+    L with attention_mask [B, L] (1 for a prompt's tokens, 0 for padding, on either side, as a
+    tokenizer's padding gives it): each row's prompt is its tokens where the mask is 1, in order, at
+    positions 0, 1, ... and every row then decodes at its own next position, as if alone (padding is
+    never attended to). The first step runs eagerly (warm-up: HybridMoE creates its
     pinned buffers), the second captures the step in a CUDA graph, and every later one replays it
     with the current tokens, position and mask, all fed through static tensors. The attention mask
     is passed explicitly as a 4-d additive mask over the cache, so nothing in the step depends on
@@ -83,40 +116,60 @@ class GraphDecoder:
         self._cache_len = cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         self._ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's cache slot
+        self._positions = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)  # each row's position
         self._mask = torch.zeros(self.batch, 1, 1, cache_len, dtype=self.dtype, device=self.device)
+        self._slots = torch.arange(cache_len, device=self.device)
+        self._lens = torch.zeros(self.batch, dtype=torch.long, device=self.device)  # each prompt's tokens
+        self._kept = torch.ones(self.batch, 1, 1, cache_len, dtype=torch.bool, device=self.device)  # not padding
+        self._keep_kw = "logits_to_keep" in _parameters(model)
+        self._prompt = 0  # the prompt's slots (L)
         self._graph = self._logits = None
         self._done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         self._steps = 0
         self.length = 0
 
-    def _forward(self, ids, pos, mask):
-        out = self.model(input_ids=ids, cache_position=pos, attention_mask=mask, use_cache=True,
-                         **{self._cache_kw: self.cache})
+    def _forward(self, ids, pos, mask, positions, **kw):
+        out = self.model(input_ids=ids, cache_position=pos, position_ids=positions, attention_mask=mask,
+                         use_cache=True, **{self._cache_kw: self.cache}, **kw)
         if self._absorbed is not None:
             self._absorbed.finish_step()
-        return out.logits[:, -1]
+        return out.logits
 
     def _set_mask(self, mask, queries: int, start: int) -> None:
-        neg = torch.finfo(self.dtype).min
+        """The additive mask of `queries` queries at slots start, start + 1, ...: causal over the cache,
+        and no row sees another prompt's padding (slots [lens[b], L) of row b)."""
         q = torch.arange(start, start + queries, device=self.device).view(-1, 1)
-        k = torch.arange(self._cache_len, device=self.device).view(1, -1)
-        mask.copy_(torch.where(k <= q, 0.0, neg).to(self.dtype).expand_as(mask))
+        seen = (self._slots <= q) & self._kept  # [B, 1, queries, cache_len]
+        mask.copy_(torch.where(seen, 0.0, torch.finfo(self.dtype).min).to(self.dtype))
 
-    def prefill(self, input_ids):
-        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
+    def prefill(self, input_ids, attention_mask=None):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
             raise ValueError(f"GraphDecoder.prefill: input_ids must be [{self.batch}, L], got "
-                             f"{tuple(input_ids.shape)}")
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
         L = input_ids.shape[1]
         if not 0 < L < self.max_len:
             raise ValueError(f"GraphDecoder.prefill: a prompt of {L} tokens does not fit max_cache_len {self.max_len}")
+        ids = input_ids.to(self.device)
+        lens, order = _prompt_lengths(ids, attention_mask)
+        if order is not None:  # each row's tokens to the front: its prompt at slots and positions 0 .. lens[b] - 1
+            ids = ids.gather(1, order)
         self.cache.reset()
+        self._lens.copy_(lens)
+        self._kept.copy_((self._slots < lens.view(-1, 1, 1, 1)) | (self._slots >= L))
+        self._prompt = L
         mask = torch.empty(self.batch, 1, L, self._cache_len, dtype=self.dtype, device=self.device)
         self._set_mask(mask, L, 0)
+        positions = torch.arange(L, device=self.device).expand(self.batch, L)
+        last = lens - 1
+        # the logits of each row's last prompt token only ([B, L, V] would be a GB at a long prompt and a large vocab)
+        kw = {"logits_to_keep": torch.unique(last)} if self._keep_kw else {}
         with torch.no_grad():
-            logits = self._forward(input_ids.to(self.device), torch.arange(L, device=self.device), mask)
+            logits = self._forward(ids, torch.arange(L, device=self.device), mask, positions, **kw)
+        rows = torch.arange(self.batch, device=self.device)
+        cols = torch.searchsorted(kw["logits_to_keep"], last) if kw else last
         self.length = L
-        return logits
+        return logits[rows, cols]
 
     def step(self, ids):
         if self.length == 0:
@@ -127,18 +180,20 @@ class GraphDecoder:
         if self.length >= self.max_len:
             raise ValueError(f"GraphDecoder.step: the cache is full ({self.max_len} tokens)")
         self._ids.copy_(ids.view(self.batch, 1))
-        self._pos.fill_(self.length)
+        self._pos.fill_(self.length)  # the slot every row writes (transformers' cache), after the longest prompt
+        self._positions.copy_((self._lens + (self.length - self._prompt)).view(-1, 1))  # each row's own position
         self._set_mask(self._mask, 1, self.length)
-        if self._absorbed is not None:
-            self._absorbed.seq_lens.fill_(self.length + 1)
+        if self._absorbed is not None:  # the absorbed cache holds each row's tokens at their positions
+            self._absorbed.seq_lens.copy_(self._positions.view(-1) + 1)
+        step = (self._ids, self._pos, self._mask, self._positions)
         with torch.no_grad(), (self._absorbed.active() if self._absorbed else contextlib.nullcontext()):
             if not self.capture or self._steps == 0:
-                logits = self._forward(self._ids, self._pos, self._mask)
+                logits = self._forward(*step)[:, -1]
             else:
                 if self._graph is None:
                     self._graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(self._graph):
-                        self._logits = self._forward(self._ids, self._pos, self._mask)
+                        self._logits = self._forward(*step)[:, -1]
                 _staging.wake()  # CPU experts on doorbells: their threads poll busily from now
                 self._graph.replay()
                 logits = self._logits
@@ -156,10 +211,11 @@ class GraphDecoder:
             self._done.record()
             self._done.synchronize()
 
-    def generate(self, input_ids, max_new_tokens: int):
-        """Greedy decoding: [B, L + max_new_tokens] token ids (computed when it returns)."""
+    def generate(self, input_ids, max_new_tokens: int, attention_mask=None):
+        """Greedy decoding: [B, L + max_new_tokens] token ids, input_ids as given (padding included) and
+        each row's new tokens after them (computed when it returns)."""
         tokens = [input_ids.to(self.device)]
-        nxt = self.prefill(input_ids).argmax(-1)
+        nxt = self.prefill(input_ids, attention_mask).argmax(-1)
         for _ in range(max_new_tokens):
             tokens.append(nxt.view(-1, 1))
             if len(tokens) - 1 == max_new_tokens:
