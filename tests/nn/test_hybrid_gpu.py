@@ -8,6 +8,7 @@ import hmoe.nn as hn
 from hmoe import _reference
 
 from . import models
+from .test_hybrid_moe import check_gpu_experts_against_fp64
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -48,6 +49,11 @@ def test_gpu_experts_on_the_gpu():
         torch.cuda.synchronize()
     assert some.gpu_w13.is_cuda and some.experts.num_experts == 13
     assert _rel(got, want) <= 4 * _reference.unit_roundoff(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_gpu_experts_on_the_gpu_against_the_fp64_routed_sum(dtype):
+    check_gpu_experts_against_fp64(dtype, "cuda")
 
 
 HANDOVERS = ["doorbell", "host_func"]

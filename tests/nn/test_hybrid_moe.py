@@ -152,6 +152,45 @@ def test_gpu_experts_run_in_token_chunks_of_bounded_temporaries(monkeypatch):
     assert _rel(chunked, whole) <= 4 * _reference.unit_roundoff(torch.float32)
 
 
+def check_gpu_experts_against_fp64(dtype, device):
+    """The GPU-resident experts' part on `device` against the fp64 routed sum over those experts, on a
+    random routing with a token routed to no GPU expert (which gets exactly 0) and one to GPU experts only."""
+    E, H, inter, K, T = 8, 128, 64, 3, 24
+    gen = torch.Generator().manual_seed(12)
+    gate = torch.randn(E, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=gen) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=gen) * inter ** -0.5).to(dtype)
+    moe = hn.HybridMoE(gate.to(device), w13, w2, top_k=K, gpu_experts=[1, 4, 6])
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
+    ids[0], ids[1] = torch.tensor([0, 2, 7]), torch.tensor([6, 1, 4])
+    weights = torch.rand(T, K, generator=gen)
+    with torch.no_grad():
+        got = moe._gpu_routed(x.to(device), ids.to(device), weights.to(device)).cpu()
+    on_gpu = torch.isin(ids, moe.gpu_ids.cpu())
+    want = _reference.moe_experts(x, torch.where(on_gpu, ids, -1), weights, w13, w2, contract=False)
+    assert got.dtype == dtype and got.shape == (T, H)
+    assert (got[0] == 0).all()  # its routing weights on the GPU are all 0
+    assert _rel(got.double(), want) <= _reference.tolerance("hybrid_gpu_experts", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_gpu_experts_against_the_fp64_routed_sum(dtype):
+    check_gpu_experts_against_fp64(dtype, "cpu")
+
+
+def test_gpu_experts_under_torch_compile():
+    E, H, inter = 8, 16, 8
+    gen = torch.Generator().manual_seed(14)
+    g, w13, w2 = (torch.randn(*s, generator=gen) for s in ((E, H), (E, 2 * inter, H), (E, H, inter)))
+    moe = hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=[1, 5])
+    x = torch.randn(9, H, generator=gen)
+    with torch.no_grad():
+        want = moe(x)
+        got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(got, want)
+
+
 def test_patch_with_a_count_uses_calibration():
     m = models.model("v2")
     ids = torch.randint(0, 128, (2, 16))
