@@ -48,6 +48,7 @@ def test_gpu_experts_on_the_gpu():
         got = some(x)
         torch.cuda.synchronize()
     assert some.gpu_w13.is_cuda and some.experts.num_experts == 13
+    assert some.gpu_w2.permute(0, 2, 1).is_contiguous()  # w2 [G, H, I] laid out as [G, I, H]
     assert _rel(got, want) <= 4 * _reference.unit_roundoff(torch.float32)
 
 

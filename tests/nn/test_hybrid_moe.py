@@ -1,5 +1,6 @@
 """hmoe.nn.HybridMoE and patch_model on transformers' own DeepSeek-V2/V3 models (CPU)."""
 import copy
+import io
 import warnings
 
 import numpy as np
@@ -146,7 +147,7 @@ def test_gpu_experts_run_in_token_chunks_of_bounded_temporaries(monkeypatch):
     with torch.no_grad():
         whole = moe(x)
         assert seen == [50]
-        moe.GPU_PART_BYTES = 7 * 2 * ((3 * inter + H) * 4 + 8 * H)  # 7 tokens' temporaries of 2 GPU experts
+        moe.GPU_PART_BYTES = 7 * (2 * inter * (4 * 4 + 4) + H * 4)  # 7 tokens' temporaries of 2 GPU experts
         chunked = moe(x)
     assert seen == [50] + [7] * 7 + [1]
     assert _rel(chunked, whole) <= 4 * _reference.unit_roundoff(torch.float32)
@@ -177,6 +178,45 @@ def check_gpu_experts_against_fp64(dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def test_gpu_experts_against_the_fp64_routed_sum(dtype):
     check_gpu_experts_against_fp64(dtype, "cpu")
+
+
+def test_gpu_w2_keeps_its_layout_through_to_and_the_state_dict():
+    # gpu_w2 is [G, H, I] over memory laid out as [G, I, H]: _gpu_part reads it as [G * I, H] without a copy
+    E, H, inter = 8, 16, 8
+    gen = torch.Generator().manual_seed(13)
+    g, w13, w2 = (torch.randn(*s, generator=gen) for s in ((E, H), (E, 2 * inter, H), (E, H, inter)))
+    moe = hn.HybridMoE(g, w13, w2, top_k=2, gpu_experts=[1, 5])
+
+    def laid_out(m):
+        return m.gpu_w2.shape == (2, H, inter) and m.gpu_w2.permute(0, 2, 1).is_contiguous()
+
+    assert laid_out(moe) and torch.equal(moe.gpu_w2, w2[[1, 5]])
+    x = torch.randn(9, H, generator=gen)
+    with torch.no_grad():
+        want = moe(x)
+    buf = io.BytesIO()
+    torch.save(moe.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    assert torch.equal(sd["gpu_w2"], w2[[1, 5]])  # the state dict's shape and values
+    other = hn.HybridMoE(*(torch.randn_like(t) for t in (g, w13, w2)), top_k=2, gpu_experts=[1, 5])
+    with torch.no_grad():
+        other.load_state_dict(sd)
+        assert laid_out(other) and torch.equal(other(x), want)
+        other.load_state_dict({**sd, "gpu_w2": sd["gpu_w2"].contiguous()})  # copied into the module's layout
+        assert laid_out(other) and torch.equal(other(x), want)
+        other.load_state_dict({**sd, "gpu_w2": sd["gpu_w2"].contiguous()}, assign=True)  # the layout is lost:
+        assert not laid_out(other) and torch.equal(other(x), want)  # a copy a call, the same result
+    assert laid_out(copy.deepcopy(moe).to("meta"))  # a device move keeps the strides (meta: no data)
+    m64 = copy.deepcopy(moe).to(torch.float64)
+    assert laid_out(m64) and m64.gpu_w2.dtype == torch.float64
+    ids = torch.tensor([[1, 5], [0, 5], [2, 3]], dtype=torch.int32)
+    weights = torch.rand(3, 2, generator=gen)
+    with torch.no_grad():
+        got = m64._gpu_routed(x[:3].double(), ids, weights)
+    ref = _reference.moe_experts(x[:3], torch.where(torch.isin(ids, m64.gpu_ids), ids, -1), weights, w13, w2,
+                                 contract=False)
+    assert got.dtype == torch.float64 and _rel(got, ref) <= 1e-14
 
 
 def test_gpu_experts_under_torch_compile():

@@ -43,10 +43,13 @@ class HybridMoE(torch.nn.Module):
     the experts on the CPU with the routing of the step being replayed). A failed run (it cannot
     raise) leaves NaN in that step's output and is raised by the next forward or by check().
 
-    gpu_experts: expert ids to keep on the hidden states' device (computed there with torch, in
-    the input's dtype), or a count n: the n experts most often routed to according to
-    routing_counts ([E], e.g. from a calibration run; see hmoe.nn.patch_model). The CPU computes
-    only the others. Each call adds its routing to the buffer `routing_counts`.
+    gpu_experts: expert ids to keep on the hidden states' device, or a count n: the n experts most
+    often routed to according to routing_counts ([E], e.g. from a calibration run; see
+    hmoe.nn.patch_model). The CPU computes only the others. Each call adds its routing to the buffer
+    `routing_counts`. The device computes its experts with two torch matmuls in the input's dtype:
+    gate, up and h rounded to it, h times its (fp32) routing weight rounded once, and the sum over
+    those experts left to the second matmul's accumulator (torch's default: fp32 for fp16/bf16),
+    rounded once.
 
     quant: None (the CPU experts keep the weights' dtype), or "int8", "int4", "fp8": the CPU experts'
     weights are quantised with hmoe.quant.quantize (group_size as there; fp8 in (128, 128) blocks)
@@ -110,7 +113,10 @@ class HybridMoE(torch.nn.Module):
         with torch.no_grad():
             sel = torch.tensor(gpu, dtype=torch.long, device=w13.device)
             self.register_buffer("gpu_w13", w13.detach().index_select(0, sel).to(dev) if gpu else None)
-            self.register_buffer("gpu_w2", w2.detach().index_select(0, sel.to(w2.device)).to(dev) if gpu else None)
+            # gpu_w2 is [G, H, I] (the state dict's shape) over memory laid out as [G, I, H], so that
+            # _gpu_part reads it as one [G * I, H] matrix without a copy (.to() keeps such strides)
+            w2_ih = w2.detach().transpose(1, 2).index_select(0, sel.to(w2.device))  # contiguous [G, I, H]
+            self.register_buffer("gpu_w2", w2_ih.to(dev).transpose(1, 2) if gpu else None)
             c13, c2 = w13.detach().to("cpu"), w2.detach().to("cpu")
             if gpu:
                 c13, c2 = c13[cpu], c2[cpu]
@@ -215,16 +221,21 @@ class HybridMoE(torch.nn.Module):
         return self.cpu_index[ids], weights  # int32 ids index directly: one kernel
 
     # The GPU-resident experts' temporaries of a call stay below this many bytes: tokens go through them
-    # in chunks (a long prompt with many GPU experts held tens of GB at once: [T, G, H] in fp32).
+    # in chunks (a long prompt with many GPU experts would otherwise hold [T, G, 2I] and more at once).
     GPU_PART_BYTES = 256 << 20
 
     def _gpu_routed(self, x, ids, weights):
         """The GPU-resident experts' part of the routed sum, dense over those experts (no data-dependent
         shapes, so it can be captured), in x's dtype; tokens in chunks of bounded temporaries."""
-        w13, w2 = self.gpu_w13.to(x.dtype), self.gpu_w2.to(x.dtype)
-        G, two_i, H = w13.shape
-        # per token: gate and up, h, y in x's dtype, y in fp32 and its weighted copy
-        per_token = G * ((two_i + two_i // 2 + H) * x.element_size() + 8 * H)
+        G, two_i, H = self.gpu_w13.shape
+        inter, e = two_i // 2, x.element_size()
+        w13 = self.gpu_w13.to(x.dtype).reshape(G * two_i, H)  # each expert's gate rows, then its up rows
+        # gpu_w2 [G, H, I] is laid out as [G, I, H] (see __init__): a view, or one copy a call if a move
+        # or a load lost that layout
+        w2 = self.gpu_w2.to(x.dtype).permute(0, 2, 1).reshape(G * inter, H)
+        # per token: gate and up [G, 2I] and h [G, I] in x's dtype, the weighted h in fp32 and in x's
+        # dtype [G, I], the output [H]
+        per_token = G * inter * (4 * e + 4) + H * e
         T, chunk = x.shape[0], max(1, self.GPU_PART_BYTES // per_token)
         if T <= chunk or torch.compiler.is_compiling():
             return self._gpu_part(x, ids, weights, w13, w2)
@@ -235,10 +246,15 @@ class HybridMoE(torch.nn.Module):
         return out
 
     def _gpu_part(self, x, ids, weights, w13, w2):
-        wg = (weights.unsqueeze(-1) * (ids.unsqueeze(-1) == self.gpu_ids)).sum(1)  # [T, G] fp32
-        g, u = torch.einsum("th,gih->tgi", x, w13).chunk(2, dim=-1)
-        y = torch.einsum("tgi,ghi->tgh", F.silu(g) * u, w2)
-        return (y.float() * wg.unsqueeze(-1)).sum(1).to(x.dtype)
+        """x [T, H] through the G GPU experts with w13 as [G * 2I, H] and w2 as [G * I, H] (rows g * I + i:
+        w2[g, :, i]): one matmul for every expert's gate and up, then the routing weight folded into h
+        so that one more matmul also sums over the experts. Rounded to x's dtype: gate and up, silu(gate)
+        and h; h times its fp32 routing weight, once; the output once, from the matmul's accumulator."""
+        T, G, inter = x.shape[0], self.gpu_ids.shape[0], self.intermediate_size
+        wg = torch.where(ids.unsqueeze(-1) == self.gpu_ids, weights.unsqueeze(-1), 0.0).sum(1)  # [T, G] fp32
+        gu = F.linear(x, w13).view(T, G, 2 * inter)
+        h = F.silu(gu[..., :inter]) * gu[..., inter:]
+        return (h * wg.unsqueeze(-1)).to(x.dtype).view(T, G * inter) @ w2
 
     def _experts_sync(self, x, ids, weights):
         if torch.compiler.is_compiling():
