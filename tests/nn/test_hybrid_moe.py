@@ -147,7 +147,7 @@ def test_gpu_experts_run_in_token_chunks_of_bounded_temporaries(monkeypatch):
     with torch.no_grad():
         whole = moe(x)
         assert seen == [50]
-        moe.GPU_PART_BYTES = 7 * (2 * inter * (4 * 4 + 4) + H * 4)  # 7 tokens' temporaries of 2 GPU experts
+        moe.GPU_PART_BYTES = 7 * (4 * 2 * inter * 4 + H * 4)  # 7 tokens' temporaries of 2 GPU experts
         chunked = moe(x)
     assert seen == [50] + [7] * 7 + [1]
     assert _rel(chunked, whole) <= 4 * _reference.unit_roundoff(torch.float32)

@@ -48,8 +48,7 @@ class HybridMoE(torch.nn.Module):
     hmoe.nn.patch_model). The CPU computes only the others. Each call adds its routing to the buffer
     `routing_counts`. The device computes its experts with two torch matmuls in the input's dtype:
     gate, up and h rounded to it, h times its (fp32) routing weight rounded once, and the sum over
-    those experts left to the second matmul's accumulator (torch's default: fp32 for fp16/bf16),
-    rounded once.
+    those experts inside the second matmul, rounded once.
 
     quant: None (the CPU experts keep the weights' dtype), or "int8", "int4", "fp8": the CPU experts'
     weights are quantised with hmoe.quant.quantize (group_size as there; fp8 in (128, 128) blocks)
@@ -233,9 +232,8 @@ class HybridMoE(torch.nn.Module):
         # gpu_w2 [G, H, I] is laid out as [G, I, H] (see __init__): a view, or one copy a call if a move
         # or a load lost that layout
         w2 = self.gpu_w2.to(x.dtype).permute(0, 2, 1).reshape(G * inter, H)
-        # per token: gate and up [G, 2I] and h [G, I] in x's dtype, the weighted h in fp32 and in x's
-        # dtype [G, I], the output [H]
-        per_token = G * inter * (4 * e + 4) + H * e
+        # per token: gate and up [G, 2I], h and the weighted h [G, I] in x's dtype, the output [H]
+        per_token = 4 * G * inter * e + H * e
         T, chunk = x.shape[0], max(1, self.GPU_PART_BYTES // per_token)
         if T <= chunk or torch.compiler.is_compiling():
             return self._gpu_part(x, ids, weights, w13, w2)
@@ -254,7 +252,9 @@ class HybridMoE(torch.nn.Module):
         wg = torch.where(ids.unsqueeze(-1) == self.gpu_ids, weights.unsqueeze(-1), 0.0).sum(1)  # [T, G] fp32
         gu = F.linear(x, w13).view(T, G, 2 * inter)
         h = F.silu(gu[..., :inter]) * gu[..., inter:]
-        return (h * wg.unsqueeze(-1)).to(x.dtype).view(T, G * inter) @ w2
+        hw = torch.empty_like(h)  # the product in fp32 (h times an fp32 weight), rounded as it is stored: one kernel
+        torch.mul(h, wg.unsqueeze(-1), out=hw)
+        return hw.view(T, G * inter) @ w2
 
     def _experts_sync(self, x, ids, weights):
         if torch.compiler.is_compiling():
