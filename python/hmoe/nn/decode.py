@@ -211,16 +211,80 @@ class GraphDecoder:
             self._done.record()
             self._done.synchronize()
 
-    def generate(self, input_ids, max_new_tokens: int, attention_mask=None):
-        """Greedy decoding: [B, L + max_new_tokens] token ids, input_ids as given (padding included) and
-        each row's new tokens after them (computed when it returns)."""
-        tokens = [input_ids.to(self.device)]
+    def generate(self, input_ids, max_new_tokens: int, attention_mask=None, *, eos_token_id=None,
+                 pad_token_id=None):
+        """Greedy decoding: [B, L + n] token ids, input_ids as given (padding included) and each row's n
+        new tokens after them (computed when it returns); n = max_new_tokens, or fewer with eos_token_id.
+
+        eos_token_id (an id or a list of ids): a row that produced one has finished, its later tokens are
+        pad_token_id (default: the first eos id), and decoding stops once every row has finished, as
+        transformers' generate does. The host reads whether all have finished one step late, so that
+        the GPU never waits for it: the step after the last one runs and is dropped (the cache then holds
+        it too)."""
+        if not V.is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"GraphDecoder.generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        eos = _token_ids("eos_token_id", eos_token_id)
+        if pad_token_id is not None and not (V.is_int(pad_token_id) and pad_token_id >= 0):
+            raise ValueError(f"GraphDecoder.generate: pad_token_id must be a token id (an int >= 0), got {pad_token_id!r}")
+        if pad_token_id is not None and eos is None:
+            raise ValueError("GraphDecoder.generate: pad_token_id pads the rows that finished, so it needs eos_token_id")
+        if eos is not None:  # copied to the GPU before the prefill is queued (a copy after it would wait for it)
+            pad = torch.tensor(eos[0] if pad_token_id is None else pad_token_id, device=self.device)
+            eos = torch.tensor(eos, dtype=torch.long, device=self.device)
+            finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
+            ended = _Ended(self.device)
         nxt = self.prefill(input_ids, attention_mask).argmax(-1)
+        tokens = [input_ids.to(self.device)]
         for _ in range(max_new_tokens):
+            if eos is not None:
+                nxt = torch.where(finished, pad, nxt)
+                finished |= torch.isin(nxt, eos)
             tokens.append(nxt.view(-1, 1))
+            if eos is not None:
+                last = ended.check(finished, len(tokens))  # the token count when every row had finished, if known
+                if last is not None:
+                    del tokens[last:]
+                    break
             if len(tokens) - 1 == max_new_tokens:
                 break
             nxt = self.step(nxt).argmax(-1)
         out = torch.cat(tokens, dim=1)
         self.synchronize()
         return out
+
+
+def _token_ids(name: str, ids) -> list | None:
+    if ids is None:
+        return None
+    many = list(ids.flatten().tolist()) if isinstance(ids, torch.Tensor) else list(ids) \
+        if isinstance(ids, (list, tuple)) else [ids]
+    if not many or not all(V.is_int(i) and i >= 0 for i in many):
+        raise ValueError(f"GraphDecoder.generate: {name} must be a token id or a list of them (ints >= 0), got {ids!r}")
+    return [int(i) for i in many]
+
+
+class _Ended:
+    """Whether every row had finished, read one step late on CUDA: each step's flag goes into pinned host
+    memory behind an event, and check() waits (asleep) only for the step before's, which the GPU has
+    finished or nearly while it runs the step after."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.flags = [torch.zeros((), dtype=torch.bool, pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event(blocking=True) for _ in range(2)]
+        self.pending = None  # (slot, token count) of the flag written last
+
+    def check(self, finished, count: int):
+        """Records whether all of `finished` are set (with `count` tokens so far) and returns the token count
+        of an earlier record that found them all set, else None; on the CPU, this one's."""
+        if not self.cuda:
+            return count if bool(finished.all()) else None
+        slot = 0 if self.pending is None else 1 - self.pending[0]
+        self.flags[slot].copy_(finished.all(), non_blocking=True)
+        self.events[slot].record()
+        before, self.pending = self.pending, (slot, count)
+        if before is None:
+            return None
+        self.events[before[0]].synchronize()
+        return before[1] if bool(self.flags[before[0]]) else None

@@ -1,6 +1,7 @@
-"""GraphDecoder with prompts of different lengths in one batch (attention_mask): every row decodes as it
-would alone, padding on either side, with the model's attention and with the absorbed MLA decode; on the
-CPU (capture=False) and on a GPU in CUDA graphs (tests marked gpu)."""
+"""GraphDecoder.generate: prompts of different lengths in one batch (attention_mask), where every row
+decodes as it would alone, padding on either side, with the model's attention and with the absorbed MLA
+decode; and end-of-sequence tokens (eos_token_id), as transformers' generate treats them. On the CPU
+(capture=False) and on a GPU in CUDA graphs (tests marked gpu)."""
 import pytest
 import torch
 
@@ -148,3 +149,71 @@ def test_padded_rows_in_cuda_graphs_with_the_absorbed_decode(kind):
         assert sum(e <= tol for e in errs) >= len(errs) - 2, (b, errs)
     for replay, eager in zip(runs[True][2:], runs[False][2:]):  # the graph replays what the eager step runs
         assert _rel(replay, eager) <= _reference.unit_roundoff(torch.bfloat16)
+
+
+def _stopped(free, L, eos, pad, max_new):
+    """What generate with eos_token_id gives, from the tokens it gives without (rows are independent): a
+    row's tokens after its first eos are pad, and the result ends once every row has produced one."""
+    finished, cols = torch.zeros(free.shape[0], dtype=torch.bool, device=free.device), []
+    for t in range(max_new):
+        col = torch.where(finished, torch.tensor(pad, device=free.device), free[:, L + t])
+        finished |= torch.isin(col, torch.tensor(eos, device=free.device))
+        cols.append(col)
+        if finished.all():
+            break
+    return torch.cat([free[:, :L], torch.stack(cols, 1)], 1)
+
+
+@pytest.mark.parametrize("attention", ["model", "hmoe"])
+def test_eos_ends_rows_as_transformers_generate_does(attention):
+    m = models.model("v3")
+    hn.patch_model(m, progress=False)
+    ids, mask, _ = _padded(LENGTHS, "left", seed=16)
+    dec = hn.GraphDecoder(m, batch_size=3, max_cache_len=32, capture=False, attention=attention)
+    free = dec.generate(ids, 12, attention_mask=mask)
+    eos = int(free[0, 7 + 3])  # row 0's fourth new token
+    got = dec.generate(ids, 12, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, _stopped(free, 7, [eos], 0, 12))
+    assert (got[0, 7 + 4:] == 0).all() and got.shape[1] <= 7 + 12
+    with torch.no_grad():
+        want = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                          pad_token_id=0)
+    assert torch.equal(got, want)
+    every = sorted({int(free[b, 7 + 1]) for b in range(3)})  # each row's second new token: all end early
+    short = dec.generate(ids, 12, attention_mask=mask, eos_token_id=every)
+    assert torch.equal(short, _stopped(free, 7, every, every[0], 12)) and short.shape[1] < 7 + 12
+
+
+def test_generate_refuses_bad_arguments():
+    m = models.model("v3")
+    dec = hn.GraphDecoder(m, batch_size=1, max_cache_len=16, capture=False)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    for n in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+            dec.generate(ids, n)
+    for eos in ("a", -1, [], [1, 2.0], torch.tensor([-3])):
+        with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+            dec.generate(ids, 2, eos_token_id=eos)
+    with pytest.raises(ValueError, match="pad_token_id must be a token id"):
+        dec.generate(ids, 2, eos_token_id=1, pad_token_id=-1)
+    with pytest.raises(ValueError, match="needs eos_token_id"):
+        dec.generate(ids, 2, pad_token_id=0)
+    assert dec.generate(ids, 2, eos_token_id=torch.tensor([5, 6])).shape[0] == 1
+
+
+@pytest.mark.gpu
+def test_eos_in_cuda_graphs_reads_the_end_one_step_late():
+    """bf16 in CUDA graphs: generate with eos_token_id gives the tokens of generate without it, ended as
+    transformers would end them, though the host learns that every row has finished one step late."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    m = models.model("v2", torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64).cuda()
+    hn.patch_model(m, progress=False)
+    ids, mask, _ = _padded((6, 3), "left", device="cuda", seed=17)
+    dec = hn.GraphDecoder(m, batch_size=2, max_cache_len=64)
+    dec.generate(ids, 3, attention_mask=mask)  # the eager first step and the capture: every later step replays
+    assert dec._graph is not None
+    free = dec.generate(ids, 16, attention_mask=mask)
+    for eos in ([int(free[1, 6 + 2])], sorted({int(free[0, 6 + 4]), int(free[1, 6 + 1])})):
+        got = dec.generate(ids, 16, attention_mask=mask, eos_token_id=eos, pad_token_id=127)
+        assert torch.equal(got, _stopped(free, 6, eos, 127, 16)), eos
