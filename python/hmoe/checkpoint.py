@@ -23,8 +23,9 @@ import sys
 from .validation import is_int
 
 
-def _shards(path: str) -> dict:
-    """tensor name -> shard file for a checkpoint directory or a single .safetensors file."""
+def _shards(path: str, who: str = "load_experts") -> dict:
+    """tensor name -> shard file for a checkpoint directory or a single .safetensors file; `who` starts
+    the messages."""
     from safetensors import SafetensorError, safe_open
 
     if os.path.isfile(path):
@@ -36,44 +37,44 @@ def _shards(path: str) -> dict:
                 with open(index, encoding="utf-8") as f:
                     contents = json.load(f)
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"load_experts: {index} is not valid JSON: {e}") from None
+                raise ValueError(f"{who}: {index} is not valid JSON: {e}") from None
             weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ValueError(f"load_experts: {index} has no \"weight_map\" of tensor name -> shard file")
+                raise ValueError(f"{who}: {index} has no \"weight_map\" of tensor name -> shard file")
             return {k: os.path.join(path, v) for k, v in weight_map.items()}
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     else:
-        raise FileNotFoundError(f"load_experts: {path!r} is neither a checkpoint directory nor a .safetensors file")
+        raise FileNotFoundError(f"{who}: {path!r} is neither a checkpoint directory nor a .safetensors file")
     if not files:
-        raise FileNotFoundError(f"load_experts: no .safetensors file in {path!r}")
+        raise FileNotFoundError(f"{who}: no .safetensors file in {path!r}")
     names = {}
     for f in files:
         try:
             with safe_open(f, "pt") as s:
                 names.update({k: f for k in s.keys()})
         except SafetensorError as e:
-            raise ValueError(f"load_experts: {f!r} is not a safetensors file ({e})") from None
+            raise ValueError(f"{who}: {f!r} is not a safetensors file ({e})") from None
     return names
 
 
 class _Reader:
-    """Reads tensors by name, keeping the shard that served the last one open; `path` and `layer` are for
-    the messages."""
+    """Reads tensors by name, keeping the shard that served the last one open; `path` and `where` (what
+    reads them: "load_experts: layer 3") are for the messages."""
 
-    def __init__(self, names: dict, path: str, layer: int):
-        self.names, self.path, self.layer, self._file, self._handle, self._keys = names, path, layer, None, None, set()
+    def __init__(self, names: dict, path: str, where: str):
+        self.names, self.path, self.where, self._file, self._handle, self._keys = names, path, where, None, None, set()
 
     def _open(self, name: str):
         from safetensors import safe_open
 
         if name not in self.names:
-            raise ValueError(f"load_experts: layer {self.layer}: {name} is missing from {self.path!r}")
+            raise ValueError(f"{self.where}: {name} is missing from {self.path!r}")
         f = self.names[name]
         if f != self._file:
             self._handle, self._file = safe_open(f, "pt"), f
             self._keys = set(self._handle.keys())
         if name not in self._keys:  # the index names a shard that does not hold it
-            raise ValueError(f"load_experts: layer {self.layer}: {name} is not in {f}, the shard "
+            raise ValueError(f"{self.where}: {name} is not in {f}, the shard "
                              f"model.safetensors.index.json names for it")
         return self._handle
 
@@ -101,17 +102,17 @@ def _weight(reader, name: str, block, expert: int | None = None):
     scale = name.removesuffix(".weight") + ".weight_scale_inv"
     if w.dtype == torch.float8_e4m3fn:
         if expert is not None:
-            raise TypeError(f"load_experts: {name} is a fused float8_e4m3fn stack, which hmoe does not read: "
+            raise TypeError(f"{reader.where}: {name} is a fused float8_e4m3fn stack, which hmoe does not read: "
                             "its scales' layout is not fixed; use per-expert tensors with weight_scale_inv "
                             "(DeepSeek-V3's layout) or a float dtype")
         if scale not in reader.names:
-            raise ValueError(f"load_experts: {name} is float8_e4m3fn but {scale} is missing")
+            raise ValueError(f"{reader.where}: {name} is float8_e4m3fn but {scale} is missing")
         return quant.dequantize(quant.from_fp8(w, reader.get(scale), block))
     if not w.is_floating_point():
         want = "a float" if expert is not None else "a float or float8_e4m3fn"
-        raise TypeError(f"load_experts: {name} has dtype {w.dtype}; expected {want} weight")
+        raise TypeError(f"{reader.where}: {name} has dtype {w.dtype}; expected {want} weight")
     if scale in reader.names:  # scales beside another dtype: what they mean is not known, so not guessed
-        raise ValueError(f"load_experts: {name} has dtype {w.dtype} but {scale} beside it; hmoe applies "
+        raise ValueError(f"{reader.where}: {name} has dtype {w.dtype} but {scale} beside it; hmoe applies "
                          "weight_scale_inv to float8_e4m3fn weights only")
     return w.float()
 
@@ -145,7 +146,7 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
     except ImportError as e:
         raise ImportError(f"load_experts needs the safetensors package: {e}") from None
     pre = prefix if prefix is not None else f"model.layers.{layer}.mlp.experts."
-    reader = _Reader(names, path, layer)
+    reader = _Reader(names, path, f"load_experts: layer {layer}")
     ids = sorted({int(m.group(1)) for k in names if (m := re.match(re.escape(pre) + r"(\d+)\.", k))})
     gu_name, down_name = pre + "gate_up_proj", pre + "down_proj"
     fused = gu_name in names or down_name in names

@@ -149,6 +149,8 @@ class PatchReport:
     device: str
     freed_bytes: int
     norms: int = 0  # RMSNorms swapped for FusedRMSNorm
+    who: str = "hmoe.nn.patch_model"
+    unread: int = 0  # checkpoint tensors hmoe.nn.load_model left unread (the model has no place for them)
 
     @property
     def swapped(self) -> int:
@@ -156,20 +158,24 @@ class PatchReport:
 
     def __str__(self) -> str:
         if not self.blocks:
-            return (f"hmoe.nn.patch_model: nothing to do: the model's {self.already_patched} MoE blocks are already "
+            return (f"{self.who}: nothing to do: the model's {self.already_patched} MoE blocks are already "
                     "HybridMoE")
         packed = sum(b.packed_bytes for b in self.blocks)
         n_gpu = sum(len(b.gpu_experts) for b in self.blocks)
         n_all = sum(b.experts for b in self.blocks)
         dtypes = sorted({str(b.dtype).replace("torch.", "") + (f" as {b.format}" if b.format in ("int8", "int4", "fp8")
                                                                else "") for b in self.blocks})
-        lines = [f"hmoe.nn.patch_model: swapped {self.swapped} MoE blocks for HybridMoE"
+        sources = ', '.join(sorted({b.moved_from for b in self.blocks}))
+        lines = [f"{self.who}: swapped {self.swapped} MoE blocks for HybridMoE"
                  + (f" ({self.already_patched} were already)" if self.already_patched else ""),
                  f"  router, shared experts: stay on {self.device}",
                  f"  routed experts: {n_all - n_gpu} of {n_all} on the CPU ({_size(packed)} packed, "
                  f"{', '.join(dtypes)}, isa {self.isa}), {n_gpu} kept on {self.device}",
-                 f"  routed expert weights taken from {', '.join(sorted({b.moved_from for b in self.blocks}))}: "
-                 f"{_size(self.freed_bytes)} freed there"]
+                 f"  routed expert weights taken from {sources}: {_size(self.freed_bytes)} freed there"
+                 if self.freed_bytes else f"  routed expert weights read from {sources} one expert at a time"]
+        if self.unread:
+            lines.append(f"  {self.unread} tensors of the checkpoint left unread: the model has no place for them "
+                         "(DeepSeek-V3's multi-token-prediction layer has none)")
         if self.norms:
             lines.append(f"  RMSNorms: {self.norms} fused (1 hmoe.ops.rms_norm kernel each on CUDA, torch's rms_norm "
                          "and the weight elsewhere: 2 ops; the original runs 7)")

@@ -53,7 +53,9 @@ class HybridMoE(torch.nn.Module):
     quant: None (the CPU experts keep the weights' dtype), or "int8", "int4", "fp8": the CPU experts'
     weights are quantised with hmoe.quant.quantize (group_size as there; fp8 in (128, 128) blocks)
     and run by the quantised kernels (their precision contract: hmoe.ops.experts); GPU-resident
-    experts keep the original weights.
+    experts keep the original weights. w13 and w2 may also come quantised, as
+    hmoe.quant.QuantizedWeights (hmoe.load_experts(..., quant=...) reads them so from a checkpoint,
+    expert by expert): the CPU experts take them as they are, and every routed expert is a CPU one.
 
     The state dict holds the CPU experts as packed (experts.w13_packed, experts.w2_packed, uint8, and
     experts.layout): load_state_dict takes them from a module built with the same quant, group_size and
@@ -66,11 +68,26 @@ class HybridMoE(torch.nn.Module):
                  gpu_experts=None, routing_counts=None, isa: str | None = None, quant: str | None = None,
                  group_size: int | None = None):
         super().__init__()
-        for name, t, ndim in (("gate_weight", gate_weight, 2), ("w13", w13, 3), ("w2", w2, 3)):
+        quantised = [isinstance(w, hquant.QuantizedWeights) for w in (w13, w2)]
+        if any(quantised):  # already quantised (hmoe.quant, hmoe.load_experts(quant=...)): the CPU experts as given
+            if not all(quantised) or w13.format != w2.format or len(w13.shape) != 3 or len(w2.shape) != 3:
+                what = [f"{type(w).__name__} {getattr(w, 'format', getattr(w, 'dtype', ''))} {tuple(w.shape)}"
+                        if hasattr(w, "shape") else type(w).__name__ for w in (w13, w2)]
+                raise TypeError(f"HybridMoE: w13 and w2 must both be float tensors or both hmoe.quant.QuantizedWeights "
+                                f"of one format and [E, 2I, H] / [E, H, I] shapes, got {what[0]} and {what[1]}")
+            if quant is not None and quant != w13.format or group_size is not None:
+                raise ValueError(f"HybridMoE: w13 and w2 are quantised already ({w13.format}); quant={quant!r} and "
+                                 f"group_size={group_size!r} apply to float weights")
+            if gpu_experts is not None and not (is_int(gpu_experts) and gpu_experts == 0):
+                raise ValueError("HybridMoE: gpu_experts needs the float weights of the experts kept on the GPU; with "
+                                 "quantised w13 and w2 every routed expert runs on the CPU")
+        checked = (("gate_weight", gate_weight, 2),) + (() if quantised[0] else (("w13", w13, 3), ("w2", w2, 3)))
+        for name, t, ndim in checked:
             if not isinstance(t, torch.Tensor) or t.dim() != ndim:
                 raise TypeError(f"HybridMoE: {name} must be a {ndim}-d torch tensor, got "
                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        meta = [name for name, t in (("gate_weight", gate_weight), ("w13", w13), ("w2", w2)) if t.is_meta]
+        meta = [name for name, t in (("gate_weight", gate_weight), ("w13", w13), ("w2", w2))
+                if isinstance(t, torch.Tensor) and t.is_meta]
         if meta:
             raise ValueError(f"HybridMoE: {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, "
                              "without data (a model built under torch.device('meta'), or weights offloaded by "
@@ -110,17 +127,23 @@ class HybridMoE(torch.nn.Module):
         self.register_buffer("cpu_index", index.to(dev))
         self.register_buffer("gpu_ids", torch.tensor(gpu, dtype=torch.int32, device=dev))
         with torch.no_grad():
-            sel = torch.tensor(gpu, dtype=torch.long, device=w13.device)
-            self.register_buffer("gpu_w13", w13.detach().index_select(0, sel).to(dev) if gpu else None)
-            # gpu_w2 is [G, H, I] (the state dict's shape) over memory laid out as [G, I, H], so that
-            # _gpu_part reads it as one [G * I, H] matrix without a copy (.to() keeps such strides)
-            w2_ih = w2.detach().transpose(1, 2).index_select(0, sel.to(w2.device))  # contiguous [G, I, H]
-            self.register_buffer("gpu_w2", w2_ih.to(dev).transpose(1, 2) if gpu else None)
-            c13, c2 = w13.detach().to("cpu"), w2.detach().to("cpu")
+            self.register_buffer("gpu_w13", None)
+            self.register_buffer("gpu_w2", None)
             if gpu:
-                c13, c2 = c13[cpu], c2[cpu]
-            c13, c2 = c13.contiguous(), c2.contiguous()
-            if quant is not None:  # group_size with fp8 (scaled per block) is quantize's error, not ignored
+                sel = torch.tensor(gpu, dtype=torch.long, device=w13.device)
+                self.gpu_w13 = w13.detach().index_select(0, sel).to(dev)
+                # gpu_w2 is [G, H, I] (the state dict's shape) over memory laid out as [G, I, H], so that
+                # _gpu_part reads it as one [G * I, H] matrix without a copy (.to() keeps such strides)
+                w2_ih = w2.detach().transpose(1, 2).index_select(0, sel.to(w2.device))  # contiguous [G, I, H]
+                self.gpu_w2 = w2_ih.to(dev).transpose(1, 2)
+            if quantised[0]:
+                c13, c2 = w13, w2
+            else:
+                c13, c2 = w13.detach().to("cpu"), w2.detach().to("cpu")
+                if gpu:
+                    c13, c2 = c13[cpu], c2[cpu]
+                c13, c2 = c13.contiguous(), c2.contiguous()
+            if quant is not None and not quantised[0]:  # group_size with fp8 (scaled per block) is quantize's error
                 c13, c2 = (hquant.quantize(c, quant, group_size=group_size) for c in (c13, c2))
             self.experts = CPUExperts(c13, c2, isa=isa)
         self._jobs: dict = {}

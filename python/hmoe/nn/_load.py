@@ -1,0 +1,149 @@
+"""hmoe.nn.load_model: a DeepSeek-V2/V3 model straight from a safetensors checkpoint, its routed experts
+read into hmoe's CPU experts expert by expert (hmoe.load_experts) and never held whole anywhere.
+
+transformers' from_pretrained materialises every routed expert before patch_model can move it: for
+DeepSeek-V3 that is about 1.3 TB in bf16, more than the GPU and most hosts hold. Here the model is built
+without data (the meta device), each MoE block becomes a HybridMoE whose experts come from the checkpoint
+(quantised as they are read when asked), and every other tensor is read by name onto the device; fp8
+tensors (DeepSeek-V3/R1's block-scaled float8_e4m3fn with weight_scale_inv) are dequantised on the way.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+from .. import checkpoint
+from . import _hf
+
+WHO = "hmoe.nn.load_model"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | None = None,
+               group_size: int | None = None, isa: str | None = None, fuse_norms: bool = True,
+               progress: bool = True):
+    """A transformers DeepSeek-V2/V3 causal LM (eval mode) from the checkpoint directory `path` (its
+    config.json and safetensors shards), patched as hmoe.nn.patch_model patches one: every MoE block a
+    HybridMoE with its routed experts on the CPU, read from the checkpoint one expert at a time (quant
+    "int8" / "int4" / "fp8" quantises each as it is read, group_size as hmoe.quant.quantize; None keeps
+    `dtype`); everything else in `dtype` on `device` (where transformers keeps a tensor in fp32, e.g. the
+    router, it stays fp32). fp8 checkpoints are dequantised with their weight_scale_inv (blocks of the
+    config's weight_block_size, default 128 x 128). Tensors of the checkpoint the model has no place for
+    (DeepSeek-V3's multi-token-prediction layer) are left unread; a tensor the model needs and the
+    checkpoint lacks is an error. model.hmoe_report is the PatchReport (printed to stderr with progress).
+    """
+    import transformers
+
+    from .hybrid import HybridMoE
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"{WHO}: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    if quant not in (None, "int8", "int4", "fp8"):
+        raise ValueError(f"{WHO}: quant must be None, 'int8', 'int4' or 'fp8', got {quant!r}")
+    if quant is None and group_size is not None:
+        raise ValueError(f"{WHO}: group_size={group_size!r} applies to quant='int8' or 'int4'")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{WHO}: device {device} asked for, but torch sees no CUDA device (device='cpu' loads it "
+                         "all into host memory)")
+    names = checkpoint._shards(path, WHO)
+    config = transformers.AutoConfig.from_pretrained(path)
+    if getattr(config, "model_type", None) not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"{WHO}: {path!r} holds a {getattr(config, 'model_type', '?')!r} model; this loader reads "
+                         "DeepSeek-V2/V3 checkpoints (others: transformers' from_pretrained, then patch_model)")
+    qcfg = getattr(config, "quantization_config", None)  # DeepSeek-V3's fp8: dequantised here, not by transformers
+    block = tuple((qcfg.get("weight_block_size") if isinstance(qcfg, dict) else None) or (128, 128))
+    if qcfg is not None:
+        del config.quantization_config
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers 4 names it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    reader = checkpoint._Reader(names, path, WHO)
+    used = set()
+
+    def fill(module, prefix: str) -> None:
+        """module's parameters and persistent buffers that have no data yet, read from the checkpoint."""
+        for name, t in list(module.named_parameters()) + _persistent_buffers(module):
+            if not t.is_meta:
+                continue
+            key = prefix + name
+            if key not in names:
+                if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+                    continue  # tied to the embedding below
+                raise ValueError(f"{WHO}: {key} (shape {tuple(t.shape)}) is missing from {path!r}")
+            w = checkpoint._weight(reader, key, block)
+            if tuple(w.shape) != tuple(t.shape):
+                raise ValueError(f"{WHO}: {key} has shape {tuple(w.shape)} in {path!r}, the model expects "
+                                 f"{tuple(t.shape)}: the checkpoint does not fit its config.json")
+            used.add(key)
+            _set(module, name, w.to(device=device, dtype=t.dtype))
+
+    blocks = [(n, m) for n, m in model.named_modules() if _hf.is_moe_block(m)]
+    if not blocks:
+        raise ValueError(f"{WHO}: the model built from {path!r} has no DeepSeek MoE block")
+    reports, isa_name = [], None
+    for i, (name, moe) in enumerate(blocks):
+        layer = _layer_of(name)
+        if progress:
+            print(f"{WHO}: MoE block {i + 1} of {len(blocks)} ({name})", file=sys.stderr, flush=True)
+        fill(moe.gate, name + ".gate.")
+        if getattr(moe, "shared_experts", None) is not None:
+            fill(moe.shared_experts, name + ".shared_experts.")
+        w13, w2 = checkpoint.load_experts(path, layer, quant=quant, group_size=group_size,
+                                          dtype=None if quant else dtype, fp8_block=block, progress=progress)
+        used.update(k for k in names if k.startswith(f"{name}.experts."))
+        hybrid = HybridMoE(moe.gate.weight.detach(), w13, w2, shared_experts=getattr(moe, "shared_experts", None),
+                           isa=isa, **_hf.router_options(moe.gate))
+        del w13, w2
+        _hf._set_submodule(model, name, hybrid)
+        isa_name = hybrid.experts.isa
+        first = next(k for k in sorted(names) if k.startswith(f"{name}.experts."))
+        reports.append(_hf.BlockReport(name, hybrid.num_experts, [], reader.dtype(first), "the checkpoint",
+                                       hybrid.experts.packed_bytes, hybrid.experts.format))
+    fill(model, "")
+    for name, mod in list(model.named_modules()):  # non-persistent buffers (the rotary embedding's frequencies)
+        if any(b.is_meta for b in mod.buffers(recurse=False)) and type(mod).__name__.endswith("RotaryEmbedding"):
+            with torch.device(device):  # their constructors compute them (some take no device argument)
+                _hf._set_submodule(model, name, type(mod)(getattr(mod, "config", model.config)))
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"{WHO}: {len(left)} tensors of the model were not filled: {left[:5]}")
+    norms = _hf._fuse_norms(model) if fuse_norms else 0
+    model.eval()
+    unread = len([k for k in names if k not in used and not k.endswith("_scale_inv")])
+    report = _hf.PatchReport(reports, 0, isa_name, str(device), 0, norms, who=WHO, unread=unread)
+    model.hmoe_report = report
+    if progress:
+        print(report, file=sys.stderr, flush=True)
+    return model
+
+
+def _persistent_buffers(module) -> list:
+    out = []
+    for mod_name, mod in module.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out.append(((mod_name + "." if mod_name else "") + name, b))
+    return out
+
+
+def _set(module, name: str, t) -> None:
+    owner, _, attr = name.rpartition(".")
+    mod = module.get_submodule(owner) if owner else module
+    if attr in mod._parameters:
+        mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+    else:
+        mod._buffers[attr] = t
+
+
+def _layer_of(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name + ".")
+    if m is None:
+        raise ValueError(f"{WHO}: cannot tell the layer of MoE block {name!r}")
+    return int(m.group(1))

@@ -1,0 +1,172 @@
+"""hmoe.nn.load_model on checkpoints the tests write: transformers' save_pretrained of the small random
+DeepSeek-V2/V3 models, and DeepSeek-V3's fp8 layout (float8_e4m3fn linears with weight_scale_inv). The
+loaded model must compute exactly what transformers' from_pretrained followed by patch_model computes."""
+import json
+
+import pytest
+import torch
+
+import hmoe.nn as hn
+from hmoe import quant
+
+from . import models
+
+transformers = models.transformers
+safetensors = pytest.importorskip("safetensors.torch", reason="load_model reads safetensors")
+
+
+def _saved(tmp_path, kind, **kw):
+    m = models.model(kind, torch.bfloat16, **kw)
+    m.save_pretrained(tmp_path)
+    return m
+
+
+def _reference(path, device="cpu", **patch):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+    hn.patch_model(ref, progress=False, **patch)
+    return ref
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(ids).logits
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+def test_loaded_model_computes_what_from_pretrained_and_patch_model_do(kind, tmp_path):
+    _saved(tmp_path, kind)
+    got = hn.load_model(str(tmp_path), device="cpu", progress=False)
+    assert not got.training and all(isinstance(b, hn.HybridMoE) for b in got.model.layers[1:].modules()
+                                    if type(b).__name__.endswith(("Moe", "MoE")))
+    assert not any(t.is_meta for t in list(got.parameters()) + list(got.buffers()))
+    report = got.hmoe_report
+    assert report.swapped == 2 and "read from the checkpoint one expert at a time" in str(report)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits(got, ids), _logits(_reference(tmp_path), ids))
+    want = hn.GraphDecoder(_reference(tmp_path), batch_size=2, max_cache_len=24, capture=False).generate(ids, 8)
+    assert torch.equal(hn.GraphDecoder(got, batch_size=2, max_cache_len=24, capture=False).generate(ids, 8), want)
+
+
+def test_experts_quantised_as_they_are_read(tmp_path):
+    _saved(tmp_path, "v3")
+    got = hn.load_model(str(tmp_path), device="cpu", quant="int4", group_size=32, progress=False)
+    blocks = [b for b in got.modules() if isinstance(b, hn.HybridMoE)]
+    assert blocks and all(b.experts.format == "int4" for b in blocks)
+    assert "bfloat16 as int4" in str(got.hmoe_report)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_logits(got, ids), _logits(_reference(tmp_path, quant="int4", group_size=32), ids))
+
+
+def _fp8_checkpoint(tmp_path):
+    """The small V3 model written as DeepSeek-V3 ships: every linear (attention, dense and shared MLPs,
+    each routed expert) float8_e4m3fn with fp32 weight_scale_inv per 128 x 128 block; embeddings, norms,
+    router and lm_head in bf16; a multi-token-prediction tensor the model has no place for; two shards
+    and an index. Returns the model with its linears replaced by their dequantised fp8 values."""
+    m = models.model("v3", torch.bfloat16)
+    tensors = {}
+    for name, t in m.state_dict().items():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            continue
+        tensors[name] = t
+    linears = {n + ".weight": mod for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)
+               and n != "lm_head"}
+    for key, mod in linears.items():
+        qw = quant.quantize(mod.weight.detach().float(), "fp8")
+        tensors[key], tensors[key.removesuffix(".weight") + ".weight_scale_inv"] = qw.data, qw.scales
+        with torch.no_grad():
+            mod.weight.copy_(quant.dequantize(qw))
+    for block in models.moe_blocks(m):
+        prefix = next(n for n, mod in m.named_modules() if mod is block) + ".experts."
+        gu, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+        inter = down.shape[2]
+        for e in range(gu.shape[0]):
+            for proj, w in (("gate_proj", gu[e, :inter]), ("up_proj", gu[e, inter:]), ("down_proj", down[e])):
+                qw = quant.quantize(w.float(), "fp8")
+                tensors[f"{prefix}{e}.{proj}.weight"] = qw.data
+                tensors[f"{prefix}{e}.{proj}.weight_scale_inv"] = qw.scales
+                with torch.no_grad():
+                    w.copy_(quant.dequantize(qw))
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)  # V3's MTP layer: unread
+    keys = sorted(tensors)
+    shard_of = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(keys)}
+    for shard in set(shard_of.values()):
+        safetensors.save_file({k: tensors[k].contiguous() for k in keys if shard_of[k] == shard},
+                              str(tmp_path / shard))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shard_of}))
+    cfg = m.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return m
+
+
+def test_fp8_checkpoint_in_deepseeks_layout(tmp_path):
+    want = _fp8_checkpoint(tmp_path)
+    got = hn.load_model(str(tmp_path), device="cpu", progress=False)
+    assert "1 tensors of the checkpoint left unread" in str(got.hmoe_report)
+    hn.patch_model(want, progress=False)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    a, b = _logits(got, ids), _logits(want, ids)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_what_load_model_refuses(tmp_path):
+    m = _saved(tmp_path / "ok", "v2")
+    path = str(tmp_path / "ok")
+    with pytest.raises(ValueError, match="quant must be"):
+        hn.load_model(path, device="cpu", quant="int3")
+    with pytest.raises(ValueError, match="dtype must be"):
+        hn.load_model(path, device="cpu", dtype=torch.float64)
+    with pytest.raises(ValueError, match="group_size=32 applies to quant"):
+        hn.load_model(path, device="cpu", group_size=32)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            hn.load_model(path)
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
+        hn.load_model(str(tmp_path / "nowhere"), device="cpu")
+    sd = {k: v for k, v in m.state_dict().items() if "q_a_proj" not in k and ".mlp.experts." not in k}
+    (tmp_path / "bad").mkdir()
+    m.config.save_pretrained(tmp_path / "bad")
+    for block in models.moe_blocks(m):
+        prefix = next(n for n, mod in m.named_modules() if mod is block) + ".experts."
+        sd[prefix + "gate_up_proj"] = block.experts.gate_up_proj.detach()
+        sd[prefix + "down_proj"] = block.experts.down_proj.detach()
+    safetensors.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_a_proj\.weight .* is missing"):
+        hn.load_model(str(tmp_path / "bad"), device="cpu", progress=False)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="'llama' model; this loader reads DeepSeek-V2/V3"):
+        hn.load_model(str(tmp_path / "llama"), device="cpu")
+
+
+@pytest.mark.gpu
+def test_loaded_onto_the_gpu_decodes_as_the_patched_original(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _saved(tmp_path, "v2", kv_lora_rank=512, qk_rope_head_dim=64)
+    got = hn.load_model(str(tmp_path), progress=False)
+    assert got.model.embed_tokens.weight.is_cuda and got.model.rotary_emb.inv_freq.is_cuda
+    ids = torch.randint(0, 128, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    want = hn.GraphDecoder(_reference(tmp_path, "cuda"), batch_size=2, max_cache_len=40).generate(ids, 12)
+    dec = hn.GraphDecoder(got, batch_size=2, max_cache_len=40)
+    assert dec.attention == "hmoe" and torch.equal(dec.generate(ids, 12), want)
+
+
+def test_hybrid_moe_takes_quantised_experts_as_they_are():
+    E, H, inter = 8, 64, 32
+    gen = torch.Generator().manual_seed(5)
+    g, w13, w2 = (torch.randn(*s, generator=gen) for s in ((E, H), (E, 2 * inter, H), (E, H, inter)))
+    q13, q2 = (quant.quantize(w, "int8") for w in (w13, w2))
+    moe = hn.HybridMoE(g, q13, q2, top_k=2)
+    assert moe.experts.format == "int8" and moe.gpu_w13 is None
+    x = torch.randn(5, H, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(moe(x), hn.HybridMoE(g, w13, w2, top_k=2, quant="int8")(x))
+    with pytest.raises(ValueError, match="gpu_experts needs the float weights"):
+        hn.HybridMoE(g, q13, q2, top_k=2, gpu_experts=[1])
+    with pytest.raises(ValueError, match="quantised already"):
+        hn.HybridMoE(g, q13, q2, top_k=2, quant="int4")
+    with pytest.raises(TypeError, match="must both be float tensors or both"):
+        hn.HybridMoE(g, q13, w2, top_k=2)
