@@ -29,3 +29,34 @@ def test_deepseek_hybrid_example_runs_on_the_cpu(gpu_experts):
     # what the patched model computes: its logits against the original's, within the dtype's bound
     rel = float(re.search(r"patched against the original: (\S+) relative", out.stdout).group(1))
     assert rel <= _reference.tolerance("hybrid_model_logits", torch.bfloat16), out.stdout
+
+
+def _word_tokenizer(path):
+    """A word-level tokenizer of the small models' 128 ids: w0 .. w124, then [UNK], [PAD], [EOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(125)} | {"[UNK]": 125, "[PAD]": 126, "[EOS]": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                            eos_token="[EOS]").save_pretrained(path)
+
+
+def test_checkpoint_example_generates_a_padded_batch_on_the_cpu(tmp_path):
+    pytest.importorskip("transformers", reason="the example loads a transformers model")
+    pytest.importorskip("safetensors", reason="load_model reads safetensors")
+    from tests.nn import models
+
+    models.model("v3", torch.bfloat16).save_pretrained(tmp_path)
+    _word_tokenizer(tmp_path)
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "deepseek_checkpoint.py"), str(tmp_path), "--cpu",
+                          "--quant", "int8", "--max-new-tokens", "5", "--prompt", "w1 w2 w3 w4", "--prompt", "w7"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hmoe.nn.load_model: swapped 2 MoE blocks" in out.stderr and "bfloat16 as int8" in out.stderr
+    texts = re.findall(r"--- '([^']*)'\n(.*)\n", out.stdout)
+    assert [t for t, _ in texts] == ["w1 w2 w3 w4", "w7"], out.stdout
+    assert all(w in {f"w{i}" for i in range(125)} for _, new in texts for w in new.split()), out.stdout
+    # on the CPU the decode attention is transformers' own (GraphDecoder's attention="auto")
+    assert re.search(r"\d decode steps of 2 sequences in .* eager\); decode attention: model", out.stdout), out.stdout
