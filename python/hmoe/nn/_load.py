@@ -1,5 +1,6 @@
 """hmoe.nn.load_model: a DeepSeek-V2/V3 model straight from a safetensors checkpoint, its routed experts
-read into hmoe's CPU experts expert by expert (hmoe.load_experts) and never held whole anywhere.
+read into hmoe's CPU experts one expert at a time (hmoe.load_experts): the model's expert weights are never
+materialised together, and with quant= not even one layer's in float.
 
 transformers' from_pretrained materialises every routed expert before patch_model can move it: for
 DeepSeek-V3 that is about 1.3 TB in bf16, more than the GPU and most hosts hold. Here the model is built
@@ -54,7 +55,8 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         raise ValueError(f"{WHO}: {path!r} holds a {getattr(config, 'model_type', '?')!r} model; this loader reads "
                          "DeepSeek-V2/V3 checkpoints (others: transformers' from_pretrained, then patch_model)")
     qcfg = getattr(config, "quantization_config", None)  # DeepSeek-V3's fp8: dequantised here, not by transformers
-    block = tuple((qcfg.get("weight_block_size") if isinstance(qcfg, dict) else None) or (128, 128))
+    size = qcfg.get("weight_block_size") if isinstance(qcfg, dict) else getattr(qcfg, "weight_block_size", None)
+    block = tuple(size or (128, 128))
     if qcfg is not None:
         del config.quantization_config
     with torch.device("meta"):
