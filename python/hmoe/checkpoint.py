@@ -129,8 +129,6 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
     """
     import torch
 
-    from . import quant as q
-
     if not is_int(layer) or layer < 0:
         raise ValueError(f"load_experts: layer must be a non-negative int, got {layer!r}")
     layer = int(layer)
@@ -146,6 +144,15 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
         names = _shards(path)
     except ImportError as e:
         raise ImportError(f"load_experts needs the safetensors package: {e}") from None
+    return _read_experts(names, path, layer, quant, group_size, dtype, prefix, fp8_block, progress)
+
+
+def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, prefix, fp8_block, progress: bool):
+    """load_experts with its arguments checked and the checkpoint's tensor names (_shards) in hand."""
+    import torch
+
+    from . import quant as q
+
     pre = prefix if prefix is not None else f"model.layers.{layer}.mlp.experts."
     reader = _Reader(names, path, f"load_experts: layer {layer}")
     ids = sorted({int(m.group(1)) for k in names if (m := re.match(re.escape(pre) + r"(\d+)\.", k))})

@@ -95,16 +95,17 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         fill(moe.gate, name + ".gate.")
         if getattr(moe, "shared_experts", None) is not None:
             fill(moe.shared_experts, name + ".shared_experts.")
-        w13, w2 = checkpoint.load_experts(path, layer, quant=quant, group_size=group_size,
-                                          dtype=None if quant else dtype, fp8_block=block, progress=progress)
-        used.update(k for k in names if k.startswith(f"{name}.experts."))
+        # the names read once for all layers (load_experts would list the shards again for each)
+        w13, w2 = checkpoint._read_experts(names, path, layer, quant, group_size, None if quant else dtype, None,
+                                           block, progress)
+        expert_keys = [k for k in names if k.startswith(f"{name}.experts.")]
+        used.update(expert_keys)
         hybrid = HybridMoE(moe.gate.weight.detach(), w13, w2, shared_experts=getattr(moe, "shared_experts", None),
                            isa=isa, **_hf.router_options(moe.gate))
         del w13, w2
         _hf._set_submodule(model, name, hybrid)
         isa_name = hybrid.experts.isa
-        first = next(k for k in sorted(names) if k.startswith(f"{name}.experts."))
-        reports.append(_hf.BlockReport(name, hybrid.num_experts, [], reader.dtype(first), "the checkpoint",
+        reports.append(_hf.BlockReport(name, hybrid.num_experts, [], reader.dtype(min(expert_keys)), "the checkpoint",
                                        hybrid.experts.packed_bytes, hybrid.experts.format))
     fill(model, "")
     for name, mod in list(model.named_modules()):  # non-persistent buffers (the rotary embedding's frequencies)

@@ -160,12 +160,12 @@ class GraphDecoder:
         self._prompt = L
         mask = torch.empty(self.batch, 1, L, self._cache_len, dtype=self.dtype, device=self.device)
         self._set_mask(mask, L, 0)
-        positions = torch.arange(L, device=self.device).expand(self.batch, L)
+        slots = torch.arange(L, device=self.device)  # the prompt's cache slots, and each packed row's positions
         last = lens - 1
         # the logits of each row's last prompt token only ([B, L, V] would be a GB at a long prompt and a large vocab)
         kw = {"logits_to_keep": torch.unique(last)} if self._keep_kw else {}
         with torch.no_grad():
-            logits = self._forward(ids, torch.arange(L, device=self.device), mask, positions, **kw)
+            logits = self._forward(ids, slots, mask, slots.expand(self.batch, L), **kw)
         rows = torch.arange(self.batch, device=self.device)
         cols = torch.searchsorted(kw["logits_to_keep"], last) if kw else last
         self.length = L
