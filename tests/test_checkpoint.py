@@ -100,6 +100,11 @@ def test_fp8_checkpoint(tmp_path):
     # With I a multiple of 128 (DeepSeek-V3: 2048) w13's blocks are the checkpoint's: re-blocking is exact
     assert torch.equal(quant.dequantize(k13), want13)
     _run_quantised(k13, k2)  # H = 160: a partial block of columns
+    for fmt, group in (("int8", None), ("int4", 32)):  # gate and up quantised apart: the bits of both together
+        i13, i2 = hmoe.load_experts(str(tmp_path), 5, quant=fmt, group_size=group, progress=False)
+        for got, want in ((i13, want13), (i2, want2)):
+            ref = quant.quantize(want, fmt, group_size=group)
+            assert got.shape == ref.shape and torch.equal(got.data, ref.data) and torch.equal(got.scales, ref.scales)
     experts = hmoe.CPUExperts(w13, w2)
     x = torch.randn(2, 160)
     ids, w = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32), torch.ones(2, 2)

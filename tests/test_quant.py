@@ -97,18 +97,80 @@ def test_stacked_experts_and_zero_groups():
         assert torch.isfinite(got).all()
 
 
+def _torch_path(w, fmt, group):
+    """quantize's int8 / int4 through its torch ops (the path of CUDA weights), on the CPU."""
+    L, (N, K) = w[..., 0, 0].numel(), w.shape[-2:]
+    gk = quant._group(fmt, K, group) or K
+    q = torch.empty(L, N, K // 2 if fmt == "int4" else K, dtype=torch.uint8 if fmt == "int4" else torch.int8)
+    scales = torch.empty(L, N, K // gk)
+    quant._quantize_torch(w.reshape(L, N, K), fmt, gk, q, scales)
+    return q.reshape(*w.shape[:-1], q.shape[-1]), scales.reshape(*w.shape[:-1], K // gk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt,group", [("int8", None), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 128)])
+def test_cpu_kernel_gives_the_torch_paths_bits(dtype, fmt, group):
+    # CPU weights are quantised by the experts module (threads, no fp32 copy), others by torch ops: the same
+    # bytes and scales bit for bit. Rows from 1e-40 (fp32 subnormals; zero in fp16) to 1e4, zero groups and
+    # rows, exact half steps (round half to even), a group whose max sits at its last element; odd row counts
+    # so that the native tasks end inside a matrix; and a transposed view (made contiguous first).
+    w = _w(3, 37, 256, seed=11) * torch.logspace(-40, 4, 37).view(1, 37, 1)
+    w[0, 0] = 0.0
+    w[1, 2, :128] = 0.0
+    w[2, 3, :10] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -3.5, 6.5, 7.0, -7.0])
+    w[2, 4, :128] = torch.arange(128.0)
+    w = w.to(dtype)
+    for x in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
+        got = quant.quantize(x, fmt, group_size=group)
+        q, scales = _torch_path(x, fmt, group)
+        assert torch.equal(got.data, q)
+        assert torch.equal(got.scales.view(torch.int32), scales.view(torch.int32))
+    last = float(min(group or 256, 128) - 1)  # the first group's max, at its last element
+    assert torch.equal(got.scales[2, 4, 0], torch.tensor(last) / (7 if fmt == "int4" else 127))
+
+
+def test_cpu_kernel_finds_nan_and_infinity_in_any_row():
+    w = _w(5, 33, 128, seed=12)
+    assert quant.quantize(w, "int4").data.shape == (5, 33, 64)
+    for e, n, k, bad in ((0, 0, 0, float("nan")), (4, 32, 127, float("inf")), (2, 17, 64, -float("inf"))):
+        x = w.clone()
+        x[e, n, k] = bad
+        for fmt in ("int8", "int4"):
+            with pytest.raises(ValueError, match="the weights hold NaN or infinity; they cannot be quantised"):
+                quant.quantize(x, fmt)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_kernel_same_bits_on_any_number_of_threads(threads):
+    w = _w(7, 300, 512, seed=13, dtype=torch.bfloat16)  # tasks of about 1 MB: several a matrix
+    want = [quant.quantize(w, fmt, group_size=g) for fmt, g in (("int8", None), ("int4", 64))]
+    old = hmoe.get_num_threads()
+    hmoe.set_num_threads(threads)
+    try:
+        got = [quant.quantize(w, fmt, group_size=g) for fmt, g in (("int8", None), ("int4", 64))]
+    finally:
+        hmoe.set_num_threads(old)
+    for a, b in zip(got, want):
+        _assert_same(a, b)
+
+
 @pytest.mark.parametrize("piece", [7 * 64, 3 * 128 * 40, 1 << 20])
 def test_pieces_give_the_same_bytes(monkeypatch, piece):
-    # quantize works through a stack in pieces of about quant._PIECE weights (whole matrices, or runs
-    # of rows: a multiple of fp8's block rows); whatever their size, the bytes and scales are those of
-    # one piece. Shapes with partial fp8 blocks (200 rows, 300 columns) and int8 per row.
+    # The torch path (fp8; int8 / int4 of weights that are not on the CPU) works through a stack in pieces
+    # of about quant._PIECE weights (whole matrices, or runs of rows: a multiple of fp8's block rows);
+    # whatever their size, the bytes and scales are those of one piece. Shapes with partial fp8 blocks (200
+    # rows, 300 columns) and int8 per row.
     w = _w(3, 200, 384, seed=9, dtype=torch.bfloat16)
     whole = {(fmt, g): quant.quantize(w, fmt, group_size=g) for fmt, g in (("int8", None), ("int4", 32), ("fp8", None))}
     whole["fp8", "narrow"] = quant.quantize(w[..., :300], "fp8", block=(64, 32))
     monkeypatch.setattr(quant, "_PIECE", piece)
     for (fmt, g), want in whole.items():
-        got = (quant.quantize(w[..., :300], "fp8", block=(64, 32)) if g == "narrow"
-               else quant.quantize(w, fmt, group_size=g))
+        if g == "narrow":
+            got = quant.quantize(w[..., :300], "fp8", block=(64, 32))
+        elif fmt == "fp8":
+            got = quant.quantize(w, fmt, group_size=g)
+        else:
+            got = quant.QuantizedWeights(fmt, *_torch_path(w, fmt, g), w.shape, group_size=want.group_size)
         assert got.data.shape == want.data.shape and got.scales.shape == want.scales.shape
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (fmt, g)
         assert torch.equal(got.scales, want.scales), (fmt, g)
@@ -117,8 +179,9 @@ def test_pieces_give_the_same_bytes(monkeypatch, piece):
     assert torch.equal(as4.data, quant.quantize(quant.dequantize(f8), "int4", group_size=64).data)
     bad = w.clone()
     bad[2, 199, 383] = float("inf")  # in the last piece
-    with pytest.raises(ValueError, match="NaN or infinity"):
-        quant.quantize(bad, "int4", group_size=32)
+    for find in (lambda: _torch_path(bad, "int4", 32), lambda: quant.quantize(bad, "fp8")):
+        with pytest.raises(ValueError, match="NaN or infinity"):
+            find()
 
 
 def _fp8_stack(*shape, block=(128, 128), seed=0):
@@ -248,6 +311,15 @@ def test_fp8_blocks_against_the_reference(block):
     assert torch.equal(quant.dequantize(quant.from_fp8(qw.data, qw.scales, block)), want)
 
 
+def test_fp8_every_byte_dequantises_as_torch_does():
+    # the CPU's native dequantisation against torch's float8 conversion times the expanded scales
+    data, scale_inv = _fp8_stack(2, 130, 260, block=(64, 128), seed=14)
+    data.view(torch.uint8)[0, 0, :254] = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    got = quant.dequantize(quant.from_fp8(data, scale_inv, (64, 128)))
+    want = data.float() * scale_inv.repeat_interleave(64, -2)[..., :130, :].repeat_interleave(128, -1)[..., :260]
+    assert torch.equal(got, want)
+
+
 def test_empty_stacks():
     # An empty stack quantises, prints and converts; its bits per weight are those of one matrix's layout.
     for fmt, g, bits in (("int8", None, 8.25), ("int8", 32, 9.0), ("int4", 64, 4.5), ("fp8", None, 8 + 32 / (8 * 128))):
@@ -320,6 +392,10 @@ def test_errors():
         stack.view(torch.uint8)[2, 3, 127] = nan
         with pytest.raises(ValueError, match="w_fp8 holds NaN"):
             quant.from_fp8(stack, torch.ones(3, 1, 1))
+    stack = torch.zeros(3, 4, 128, dtype=torch.float8_e4m3fn)
+    stack.view(torch.uint8)[1, 2, 5] = 0xFF  # built around from_fp8's check: dequantize finds it (CPU)
+    with pytest.raises(ValueError, match="the fp8 weights hold NaN"):
+        quant.dequantize(quant.QuantizedWeights("fp8", stack, torch.ones(3, 1, 1), stack.shape, block=(128, 128)))
     edge = torch.tensor([448.0, -448.0, 0.0, -0.0]).to(torch.float8_e4m3fn).view(1, 4).expand(4, 4).contiguous()
     assert quant.from_fp8(edge, torch.ones(1, 1)).format == "fp8"  # the largest finite bytes 0x7E/0xFE are not NaN
     with pytest.raises(TypeError, match="expected QuantizedWeights"):

@@ -59,11 +59,13 @@ inline void store_row(const float* src, int64_t n, int32_t dtype, void* dst) {
   }
 }
 
-// int8 quantisation of one group of n <= group values (the precision contract of hmoe.ops.experts):
-// s = max|x| / 127 (fp32), q = round-half-even(x / s) (fp32 division), sum = sum of q. A group of
-// zeros has s = 0, q = 0; a group holding NaN or infinity keeps that in s (q = 0), so the
-// products it enters are not finite either: a bad input never turns into a plausible result.
-inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale, int32_t& sum) {
+// Symmetric quantisation of one group of n values to [-QMax, QMax] (int8 activations: the precision
+// contract of hmoe.ops.experts; int8 and int4 weights: hmoe.quant's rule): s = max|x| / QMax (fp32),
+// q = round-half-even(x / s) (fp32 division), sum = sum of q. A group of zeros has s = 0, q = 0; a
+// group holding NaN or infinity keeps that in s (q = 0), so the products it enters are not finite
+// either: a bad input never turns into a plausible result.
+template <int QMax>
+inline void quantize_group(const float* x, int64_t n, int8_t* q, float& scale, int32_t& sum) {
   // Written as loops the compiler vectorises (16 lanes of max, a division a lane): the gather of a
   // long prefill quantises every activation.
   float m[16] = {};
@@ -82,7 +84,7 @@ inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale
   }
   float amax = 0.f;
   for (float v : m) amax = v > amax ? v : amax;
-  const float s = nans ? std::nanf("") : amax / 127.f;
+  const float s = nans ? std::nanf("") : amax / float(QMax);
   scale = s, sum = 0;
   if (!(s > 0.f) || s == INFINITY) {  // zero, NaN or infinite scale
     std::memset(q, 0, size_t(n));
@@ -92,12 +94,15 @@ inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale
   int32_t total = 0;
   for (k = 0; k < n; ++k) {
     float v = (x[k] / s + magic) - magic;
-    v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+    v = v > float(QMax) ? float(QMax) : (v < -float(QMax) ? -float(QMax) : v);
     const int32_t iv = int32_t(v);
     q[k] = int8_t(iv);
     total += iv;
   }
   sum = total;
+}
+inline void quantize_group_i8(const float* x, int64_t n, int8_t* q, float& scale, int32_t& sum) {
+  quantize_group<127>(x, n, q, scale, sum);
 }
 
 // Rows of activations entering a matmul. A buffer keeps `pad` zero rows past its last row (32 where

@@ -6,7 +6,7 @@
 
 #define HMOE_CONSTANTS(X)                                                                        \
   /* the version of the entry points, params structs and codes below: bump on any change */      \
-  X(abi_version, 6)                                                                              \
+  X(abi_version, 7)                                                                              \
   /* dtype codes: what every native entry point calls a tensor's element type */                 \
   X(dtype_float32, 0)                                                                            \
   X(dtype_float16, 1)                                                                            \

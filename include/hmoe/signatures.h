@@ -36,6 +36,11 @@
   (tensor, w13_data), (tensor, w13_scales), (tensor, w2_data), (tensor, w2_scales), (i32, w_format), (i64, group13), \
       (i64, group2), (i64, scale_rows13), (i64, scale_cols13), (i64, scale_rows2), (i64, scale_cols2),               \
       (i32, num_threads)
+#define HMOE_ARGS_quantize_weights \
+  (tensor, w), (i32, w_format), (i64, group), (tensor, q), (tensor, scales), (i32, num_threads)
+#define HMOE_ARGS_dequantize_fp8 \
+  (tensor, q), (tensor, scales), (i64, rows), (i64, cols), (tensor, out), (i32, num_threads)
+#define HMOE_ARGS_fp8_has_nan (tensor, q), (i32, num_threads)
 #define HMOE_ARGS_packed_bytes (i32, w_format), (i64, H), (i64, I), (i64, group13), (i64, group2)
 #define HMOE_ARGS_read_bandwidth (i64, bytes), (i32, threads), (i32, repeats)
 #define HMOE_ARGS_prewarm (i32, device)
@@ -83,6 +88,9 @@
   X(experts, experts, host_job_wake, "None", HMOE_ARGS_NONE)                                                    \
   X(experts, experts, pack_weights, "(w13_packed, w2_packed)", HMOE_ARGS_pack_weights)                          \
   X(experts, experts, pack_quantized, "(w13_packed, w2_packed)", HMOE_ARGS_pack_quantized)                      \
+  X(experts, experts, quantize_weights, "None", HMOE_ARGS_quantize_weights)                                     \
+  X(experts, experts, dequantize_fp8, "None", HMOE_ARGS_dequantize_fp8)                                         \
+  X(experts, experts, fp8_has_nan, "bool", HMOE_ARGS_fp8_has_nan)                                               \
   X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)      \
   X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                             \
   X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                                 \

@@ -169,7 +169,7 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
             raise ValueError(f"load_experts: layer {layer}: {gu_name} {gs} and {down_name} {ds} do not fit "
                              "[E, 2I, H] and [E, H, I] with the same E >= 1")
         E = gs[0]
-        get = (lambda e: (_weight(reader, gu_name, fp8_block, e), _weight(reader, down_name, fp8_block, e)))
+        get = (lambda e: ([_weight(reader, gu_name, fp8_block, e)], _weight(reader, down_name, fp8_block, e)))
         src_dtype = reader.dtype(gu_name)
     else:
         E = len(ids)
@@ -188,7 +188,7 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
             if g.shape != u.shape or d.shape != (g.shape[1], g.shape[0]):
                 raise ValueError(f"load_experts: layer {layer}, expert {e}: gate {tuple(g.shape)}, up "
                                  f"{tuple(u.shape)}, down {tuple(d.shape)} do not fit [I, H], [I, H], [H, I]")
-            return torch.cat([g, u]), d
+            return [g, u], d
 
         src_dtype = reader.dtype(f"{pre}0.gate_proj.weight")
     if dtype is None:
@@ -196,22 +196,30 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
     bar = _bar(E, f"layer {layer} experts", progress)
     w13 = w2 = None
     for e in range(E):
-        a, b = get(e)
+        # w13's rows in parts (gate, then up; or both fused), each written where it goes: no concatenated
+        # copy (the checkpoint's tensors are read as they are first touched, here)
+        parts, b = get(e)
+        if quant == "fp8" and len(parts) > 1:  # fp8's blocks of rows may span gate and up
+            parts = [torch.cat(parts)]
         if quant is None:
             if w13 is None:
-                w13 = torch.empty((E, *a.shape), dtype=dtype)
+                w13 = torch.empty((E, sum(len(p) for p in parts), parts[0].shape[1]), dtype=dtype)
                 w2 = torch.empty((E, *b.shape), dtype=dtype)
-            w13[e].copy_(a)
-            w2[e].copy_(b)
+            pairs = [(w13[e, r:r + len(p)], p) for r, p in zip(_starts(parts), parts)] + [(w2[e], b)]
+            for dst, src in pairs:
+                dst.copy_(src)
         else:
-            # group_size with fp8 (scaled per block) is quantize's error, not ignored
-            # quantised from fp32 (from bf16 it took 5-20% longer on an H200 machine's host)
-            qa, qb = (q.quantize(w.float(), quant, group_size=group_size, block=fp8_block) for w in (a, b))
+            # group_size with fp8 (scaled per block) is quantize's error, not ignored; int8 and int4 are
+            # quantised row by row, so gate and up apart give the bits of both together
+            qs = [q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in parts]
+            qb = q.quantize(b, quant, group_size=group_size, block=fp8_block)
             if w13 is None:
-                w13, w2 = _stack_like(qa, E), _stack_like(qb, E)
-            for dst, src in ((w13, qa), (w2, qb)):
-                dst.data[e].copy_(src.data)
-                dst.scales[e].copy_(src.scales)
+                w13, w2 = _stack_like(qs, E), _stack_like([qb], E)
+            for r, qa in zip(_starts(parts), qs):
+                w13.data[e, r:r + len(qa.data)].copy_(qa.data)
+                w13.scales[e, r:r + len(qa.scales)].copy_(qa.scales)
+            w2.data[e].copy_(qb.data)
+            w2.scales[e].copy_(qb.scales)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -219,14 +227,26 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
     return w13, w2
 
 
-def _stack_like(qw, E: int):
+def _starts(parts) -> list:
+    """The first row of each of parts stacked along their first dimension."""
+    out, r = [], 0
+    for p in parts:
+        out.append(r)
+        r += len(p)
+    return out
+
+
+def _stack_like(parts, E: int):
+    """Empty QuantizedWeights for E matrices, each the quantised parts stacked along their rows."""
     import torch
 
     from .quant import QuantizedWeights
 
-    return QuantizedWeights(qw.format, torch.empty((E, *qw.data.shape), dtype=qw.data.dtype),
-                            torch.empty((E, *qw.scales.shape), dtype=qw.scales.dtype), (E, *qw.shape),
-                            group_size=qw.group_size, block=qw.block)
+    qw = parts[0]
+    rows = [sum(t.shape[0] for t in ts) for ts in ([p.data for p in parts], [p.scales for p in parts], parts)]
+    return QuantizedWeights(qw.format, torch.empty((E, rows[0], *qw.data.shape[1:]), dtype=qw.data.dtype),
+                            torch.empty((E, rows[1], *qw.scales.shape[1:]), dtype=qw.scales.dtype),
+                            (E, rows[2], *qw.shape[1:]), group_size=qw.group_size, block=qw.block)
 
 
 def _bar(total: int, desc: str, enabled: bool):

@@ -14,9 +14,10 @@ scale and quotient computed in fp32):
 
 The scales are fp32; the dequantised weight is q * s in fp32. A group or block whose weights are all
 zero has scale 0. QuantizedWeights pickles (plain tensors, fp8's as their bytes, and a version number).
-quantize works through a stack in pieces of about 16M weights, so that its fp32 temporaries stay a few
-hundred MB whatever the stack's size (a DeepSeek-V3 layer's 256 experts are 5.6G weights a matrix); the
-result is the same.
+quantize of int8 / int4 quantises CPU weights row by row on hmoe's CPU threads (native code, no fp32 copy of
+the weights); weights elsewhere, and fp8, go through torch ops in pieces of about 16M weights, so that the fp32
+temporaries stay a few hundred MB whatever the stack's size (a DeepSeek-V3 layer's 256 experts are 5.6G weights a
+matrix). Both give the same bits.
 
 hmoe.CPUExperts takes QuantizedWeights for w13 and w2 (the same format for both); its kernels work
 in k groups of `kernel_group` (the group size; for int8 per row the whole row, K rounded up to a
@@ -219,10 +220,44 @@ def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128))
     g = _group(format, K, group_size)
     if format == "int4" and K % 2:
         raise ValueError(f"quantize: int4 needs an even K, got {K}")
-    qmax, gk = _QMAX[format], g or K
+    gk = g or K
     q = torch.empty((L, N, K // 2 if format == "int4" else K), dtype=torch.uint8 if format == "int4" else torch.int8,
                     device=w.device)
     scales = torch.empty((L, N, K // gk), dtype=torch.float32, device=w.device)
+    if w.device.type == "cpu":
+        _quantize_cpu(w3, format, gk, q, scales)
+    else:
+        _quantize_torch(w3, format, gk, q, scales)
+    return QuantizedWeights(format, q.reshape(*lead, N, q.shape[-1]), scales.reshape(*lead, N, K // gk), w.shape,
+                            group_size=g)
+
+
+def _native():
+    """The experts module of this CPU (its quantisation entry points) and hmoe's thread count."""
+    from ._threads import get_num_threads
+    from .ops import experts
+
+    return experts.module(experts.select()), get_num_threads()
+
+
+def _quantize_cpu(w3, format: str, gk: int, q, scales) -> None:
+    """quantize's int8 / int4 rule on CPU weights [L, N, K], by the experts module of this CPU (threads, no fp32
+    copy of the weights); the same bits as _quantize_torch."""
+    import torch
+
+    from ._native import spec
+
+    mod, threads = _native()
+    code = spec.constants()[f"weight_format_{format}"]
+    mod.quantize_weights(w3.contiguous(), code, gk, q.view(torch.uint8), scales, threads)
+
+
+def _quantize_torch(w3, format: str, gk: int, q, scales) -> None:
+    """quantize's int8 / int4 rule in torch ops (any device), in pieces of bounded fp32 temporaries."""
+    import torch
+
+    L, N, K = w3.shape
+    qmax = _QMAX[format]
     for l0, l1, n0, n1 in _pieces(L, N, K, 1):
         grouped = _finite_f32(w3[l0:l1, n0:n1], "quantize").reshape(l1 - l0, n1 - n0, K // gk, gk)
         s = grouped.abs().amax(dim=-1) / qmax  # [l, n, G]
@@ -233,8 +268,6 @@ def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128))
             qi = u[..., 0::2] | (u[..., 1::2] << 4)
         q[l0:l1, n0:n1] = qi
         scales[l0:l1, n0:n1] = s
-    return QuantizedWeights(format, q.reshape(*lead, N, q.shape[-1]), scales.reshape(*lead, N, K // gk), w.shape,
-                            group_size=g)
 
 
 def _check_block(block):
@@ -261,10 +294,20 @@ def _int4_values(data):
 
 
 def dequantize(qw: QuantizedWeights):
-    """The fp32 weights [..., N, K] that qw stands for: q * s."""
+    """The fp32 weights [..., N, K] that qw stands for: q * s (fp8 on the CPU: a NaN byte is a ValueError)."""
     if not isinstance(qw, QuantizedWeights):
         raise TypeError(f"dequantize: expected QuantizedWeights, got {type(qw).__name__}")
     N, K = qw.shape[-2:]
+    if qw.format == "fp8" and qw.data.device.type == "cpu":  # natively, on threads: the same products
+        import torch
+
+        mod, threads = _native()
+        L = math.prod(qw.shape[:-2])
+        out = torch.empty(qw.shape, dtype=torch.float32)
+        mod.dequantize_fp8(qw.data.reshape(L, N, K).view(torch.uint8).contiguous(),
+                           qw.scales.float().reshape(L, *qw.scales.shape[-2:]).contiguous(), min(qw.block[0], N),
+                           min(qw.block[1], K), out.view(L, N, K), threads)
+        return out
     if qw.format == "fp8":
         return qw.data.float() * _expand_blocks(qw.scales.float(), qw.block, N, K)
     q = _int4_values(qw.data) if qw.format == "int4" else qw.data
@@ -298,7 +341,11 @@ def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
     # e4m3fn has no infinity and NaN is the byte pattern S.1111.111: found on the bytes, piece by piece
     # (the fp32 copy of a whole layer's stack would be four times its size).
     raw = w_fp8.detach().reshape(-1, N, K).view(torch.uint8)
-    for l0, l1, n0, n1 in _pieces(raw.shape[0], N, K, 1):
+    if raw.device.type == "cpu":
+        mod, threads = _native()
+        if mod.fp8_has_nan(raw.reshape(-1), threads):
+            raise ValueError("from_fp8: w_fp8 holds NaN")
+    for l0, l1, n0, n1 in (() if raw.device.type == "cpu" else _pieces(raw.shape[0], N, K, 1)):
         if ((raw[l0:l1, n0:n1] & 0x7F) == 0x7F).any():
             raise ValueError("from_fp8: w_fp8 holds NaN")
     qw = QuantizedWeights("fp8", w_fp8.detach(), scale_inv.detach().float(), w_fp8.shape, block=(r, c))

@@ -2,6 +2,7 @@
 DeepSeek-V2/V3 models, and DeepSeek-V3's fp8 layout (float8_e4m3fn linears with weight_scale_inv). The
 loaded model must compute exactly what transformers' from_pretrained followed by patch_model computes."""
 import json
+import re
 
 import pytest
 import torch
@@ -133,6 +134,16 @@ def test_what_load_model_refuses(tmp_path):
         sd[prefix + "down_proj"] = block.experts.down_proj.detach()
     safetensors.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "bad" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_a_proj\.weight .* is missing"):
+        hn.load_model(str(tmp_path / "bad"), device="cpu", progress=False)
+    sd = {k: v for k, v in m.state_dict().items() if ".mlp.experts." not in k}
+    last = [n for n, mod in m.named_modules() if mod in models.moe_blocks(m)][-1]
+    for block in models.moe_blocks(m)[:-1]:  # every MoE layer's experts but the last one's
+        prefix = next(n for n, mod in m.named_modules() if mod is block) + ".experts."
+        sd[prefix + "gate_up_proj"] = block.experts.gate_up_proj.detach()
+        sd[prefix + "down_proj"] = block.experts.down_proj.detach()
+    safetensors.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(f"{last}.experts.* (the routed experts of layer "
+                                                   f"{last.split('.')[2]}) are missing from")):
         hn.load_model(str(tmp_path / "bad"), device="cpu", progress=False)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))

@@ -87,6 +87,13 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     blocks = [(n, m) for n, m in model.named_modules() if _hf.is_moe_block(m)]
     if not blocks:
         raise ValueError(f"{WHO}: the model built from {path!r} has no DeepSeek MoE block")
+    # each layer's expert tensors, indexed in one pass over the names (a scan of them all for every layer
+    # took 18 s for DeepSeek-V3's 89k names)
+    experts_of: dict = {}
+    for k, f in names.items():
+        i = k.find(".mlp.experts.")
+        if i >= 0:
+            experts_of.setdefault(k[:i + len(".mlp.experts.")], {})[k] = f
     reports, isa_name = [], None
     for i, (name, moe) in enumerate(blocks):
         layer = _layer_of(name)
@@ -95,10 +102,13 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         fill(moe.gate, name + ".gate.")
         if getattr(moe, "shared_experts", None) is not None:
             fill(moe.shared_experts, name + ".shared_experts.")
+        expert_keys = experts_of.get(f"{name}.experts.", {})
+        if not expert_keys:
+            raise ValueError(f"{WHO}: {name}.experts.* (the routed experts of layer {layer}) are missing from "
+                             f"{path!r}")
         # the names read once for all layers (load_experts would list the shards again for each)
-        w13, w2 = checkpoint._read_experts(names, path, layer, quant, group_size, None if quant else dtype, None,
-                                           block, progress)
-        expert_keys = [k for k in names if k.startswith(f"{name}.experts.")]
+        w13, w2 = checkpoint._read_experts(expert_keys, path, layer, quant, group_size, None if quant else dtype,
+                                           f"{name}.experts.", block, progress)
         used.update(expert_keys)
         hybrid = HybridMoE(moe.gate.weight.detach(), w13, w2, shared_experts=getattr(moe, "shared_experts", None),
                            isa=isa, **_hf.router_options(moe.gate))
