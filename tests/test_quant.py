@@ -9,6 +9,8 @@ import torch
 import hmoe
 from hmoe import quant
 
+from .ops.test_moe_experts import ISAS
+
 
 def _w(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -107,11 +109,13 @@ def _torch_path(w, fmt, group):
     return q.reshape(*w.shape[:-1], q.shape[-1]), scales.reshape(*w.shape[:-1], K // gk)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt,group", [("int8", None), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 128)])
-def test_cpu_kernel_gives_the_torch_paths_bits(dtype, fmt, group):
-    # CPU weights are quantised by the experts module (threads, no fp32 copy), others by torch ops: the same
-    # bytes and scales bit for bit. Rows from 1e-40 (fp32 subnormals; zero in fp16) to 1e4, zero groups and
+def test_cpu_kernel_gives_the_torch_paths_bits(monkeypatch, isa, dtype, fmt, group):
+    # CPU weights are quantised by the experts module of the CPU's ISA level (threads, no fp32 copy; each
+    # level's build vectorises it its own way), others by torch ops: the same bytes and scales bit for bit,
+    # and fp8 dequantised as torch does. Rows from 1e-40 (fp32 subnormals; zero in fp16) to 1e4, zero groups and
     # rows, exact half steps (round half to even), a group whose max sits at its last element; odd row counts
     # so that the native tasks end inside a matrix; and a transposed view (made contiguous first).
     w = _w(3, 37, 256, seed=11) * torch.logspace(-40, 4, 37).view(1, 37, 1)
@@ -120,6 +124,10 @@ def test_cpu_kernel_gives_the_torch_paths_bits(dtype, fmt, group):
     w[2, 3, :10] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -3.5, 6.5, 7.0, -7.0])
     w[2, 4, :128] = torch.arange(128.0)
     w = w.to(dtype)
+    monkeypatch.setenv("HMOE_CPU_ISA", isa)
+    f8 = quant.quantize(w, "fp8", block=(32, 64))  # the torch path
+    want = f8.data.float() * f8.scales.repeat_interleave(32, -2)[..., :37, :].repeat_interleave(64, -1)
+    assert torch.equal(quant.dequantize(f8), want)
     for x in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
         got = quant.quantize(x, fmt, group_size=group)
         q, scales = _torch_path(x, fmt, group)
