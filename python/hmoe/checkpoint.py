@@ -208,18 +208,22 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
             pairs = [(w13[e, r:r + len(p)], p) for r, p in zip(_starts(parts), parts)] + [(w2[e], b)]
             for dst, src in pairs:
                 dst.copy_(src)
-        else:
-            # group_size with fp8 (scaled per block) is quantize's error, not ignored; int8 and int4 are
-            # quantised row by row, so gate and up apart give the bits of both together
-            qs = [q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in parts]
-            qb = q.quantize(b, quant, group_size=group_size, block=fp8_block)
+        elif quant == "fp8":  # group_size with fp8 (scaled per block) is quantize's error, not ignored
+            qa, qb = (q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in (parts[0], b))
             if w13 is None:
-                w13, w2 = _stack_like(qs, E), _stack_like([qb], E)
-            for r, qa in zip(_starts(parts), qs):
-                w13.data[e, r:r + len(qa.data)].copy_(qa.data)
-                w13.scales[e, r:r + len(qa.scales)].copy_(qa.scales)
-            w2.data[e].copy_(qb.data)
-            w2.scales[e].copy_(qb.scales)
+                w13, w2 = _stack_like(qa, E), _stack_like(qb, E)
+            for dst, src in ((w13, qa), (w2, qb)):
+                dst.data[e].copy_(src.data)
+                dst.scales[e].copy_(src.scales)
+        else:  # int8 / int4, quantised row by row straight into the stacks (gate and up apart: the same bits)
+            if w13 is None:
+                w13 = q._empty((E, sum(len(p) for p in parts), parts[0].shape[1]), quant, group_size)
+                w2 = q._empty((E, *b.shape), quant, group_size)
+            for dst, r, w in [(w13, r, p) for r, p in zip(_starts(parts), parts)] + [(w2, 0, b)]:
+                q._check_float(w, "load_experts")
+                rows = q.QuantizedWeights(quant, dst.data[e, r:r + len(w)], dst.scales[e, r:r + len(w)], w.shape,
+                                          group_size=dst.group_size)
+                q._quantize_into(w.detach().reshape(1, *w.shape), rows)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -236,17 +240,14 @@ def _starts(parts) -> list:
     return out
 
 
-def _stack_like(parts, E: int):
-    """Empty QuantizedWeights for E matrices, each the quantised parts stacked along their rows."""
+def _stack_like(qw, E: int):
     import torch
 
     from .quant import QuantizedWeights
 
-    qw = parts[0]
-    rows = [sum(t.shape[0] for t in ts) for ts in ([p.data for p in parts], [p.scales for p in parts], parts)]
-    return QuantizedWeights(qw.format, torch.empty((E, rows[0], *qw.data.shape[1:]), dtype=qw.data.dtype),
-                            torch.empty((E, rows[1], *qw.scales.shape[1:]), dtype=qw.scales.dtype),
-                            (E, rows[2], *qw.shape[1:]), group_size=qw.group_size, block=qw.block)
+    return QuantizedWeights(qw.format, torch.empty((E, *qw.data.shape), dtype=qw.data.dtype),
+                            torch.empty((E, *qw.scales.shape), dtype=qw.scales.dtype), (E, *qw.shape),
+                            group_size=qw.group_size, block=qw.block)
 
 
 def _bar(total: int, desc: str, enabled: bool):

@@ -217,19 +217,35 @@ def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128))
             scales[l0:l1, n0 // r:n0 // r + s.shape[-2]] = s
         return QuantizedWeights("fp8", q.reshape(w.shape), scales.reshape(*lead, *scales.shape[1:]), w.shape,
                                 block=block)
+    out = _empty(w.shape, format, group_size, w.device)
+    _quantize_into(w3, out)
+    return out
+
+
+def _empty(shape, format: str, group_size, device="cpu") -> QuantizedWeights:
+    """Uninitialised int8 / int4 QuantizedWeights of logical shape [..., N, K] (group_size checked as quantize
+    checks it)."""
+    import torch
+
+    K = shape[-1]
     g = _group(format, K, group_size)
     if format == "int4" and K % 2:
         raise ValueError(f"quantize: int4 needs an even K, got {K}")
-    gk = g or K
-    q = torch.empty((L, N, K // 2 if format == "int4" else K), dtype=torch.uint8 if format == "int4" else torch.int8,
-                    device=w.device)
-    scales = torch.empty((L, N, K // gk), dtype=torch.float32, device=w.device)
-    if w.device.type == "cpu":
-        _quantize_cpu(w3, format, gk, q, scales)
+    q = torch.empty((*shape[:-1], K // 2 if format == "int4" else K),
+                    dtype=torch.uint8 if format == "int4" else torch.int8, device=device)
+    scales = torch.empty((*shape[:-1], K // (g or K)), dtype=torch.float32, device=device)
+    return QuantizedWeights(format, q, scales, shape, group_size=g)
+
+
+def _quantize_into(w3, out: QuantizedWeights) -> None:
+    """quantize of float weights [L, N, K] into int8 / int4 `out` of that shape, whose data and scales may be
+    views (e.g. one expert's rows of a stack: hmoe.load_experts fills its stacks so, with no copy)."""
+    L, N, K = w3.shape
+    q, scales = out.data.view(L, N, out.data.shape[-1]), out.scales.view(L, N, out.scales.shape[-1])
+    if w3.device.type == "cpu":
+        _quantize_cpu(w3, out.format, out.group_size or K, q, scales)
     else:
-        _quantize_torch(w3, format, gk, q, scales)
-    return QuantizedWeights(format, q.reshape(*lead, N, q.shape[-1]), scales.reshape(*lead, N, K // gk), w.shape,
-                            group_size=g)
+        _quantize_torch(w3, out.format, out.group_size or K, q, scales)
 
 
 def _native():
