@@ -196,8 +196,8 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
     bar = _bar(E, f"layer {layer} experts", progress)
     w13 = w2 = None
     for e in range(E):
-        # w13's rows in parts (gate, then up; or both fused), each written where it goes: no concatenated
-        # copy (the checkpoint's tensors are read as they are first touched, here)
+        # w13's rows in parts (gate, then up; or both fused), written into the stack with no concatenated copy
+        # on the way (the checkpoint's tensors are read as they are first touched, here)
         parts, b = get(e)
         if quant == "fp8" and len(parts) > 1:  # fp8's blocks of rows may span gate and up
             parts = [torch.cat(parts)]
@@ -205,9 +205,10 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
             if w13 is None:
                 w13 = torch.empty((E, sum(len(p) for p in parts), parts[0].shape[1]), dtype=dtype)
                 w2 = torch.empty((E, *b.shape), dtype=dtype)
-            pairs = [(w13[e, r:r + len(p)], p) for r, p in zip(_starts(parts), parts)] + [(w2[e], b)]
-            for dst, src in pairs:
-                dst.copy_(src)
+            # one cat into the stack: copying gate and up into their rows, straight from the mapped shards, made a
+            # bf16 load_model of 9.6 GiB 3-5 s slower on an H200 machine's host
+            torch.cat(parts, out=w13[e])
+            w2[e].copy_(b)
         elif quant == "fp8":  # group_size with fp8 (scaled per block) is quantize's error, not ignored
             qa, qb = (q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in (parts[0], b))
             if w13 is None:
