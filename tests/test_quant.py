@@ -128,6 +128,9 @@ def test_cpu_kernel_gives_the_torch_paths_bits(monkeypatch, isa, dtype, fmt, gro
     f8 = quant.quantize(w, "fp8", block=(32, 64))  # the torch path
     want = f8.data.float() * f8.scales.repeat_interleave(32, -2)[..., :37, :].repeat_interleave(64, -1)
     assert torch.equal(quant.dequantize(f8), want)
+    direct = quant.from_fp8(f8.data, f8.scales, (32, 64), to=fmt, group_size=group)  # from the bytes, no fp32 copy
+    q, scales = _torch_path(want, fmt, group)
+    assert torch.equal(direct.data, q) and torch.equal(direct.scales.view(torch.int32), scales.view(torch.int32))
     for x in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):
         got = quant.quantize(x, fmt, group_size=group)
         q, scales = _torch_path(x, fmt, group)

@@ -89,6 +89,42 @@ QuantArg quant_arg(py::handle data, py::handle scales, const char* dname, const 
   return q;
 }
 
+// Weights [L, N, K] to quantise or dequantise: a float tensor (w_scales None), or float8_e4m3fn bytes
+// (uint8) with their block scales fp32 [L, ceil(N / rows), ceil(K / cols)].
+hmoe::WeightRows weight_rows(py::handle w, py::handle w_scales, int64_t rows, int64_t cols, const std::string& who) {
+  const bool fp8 = !w_scales.is_none();
+  const hb::TensorArg a = hb::tensor(w, "w", fp8 ? hb::dtypes({hmoe::kU8}) : hb::kFloats, 3, hb::Where::kCpu);
+  const int64_t L = a.shape[0], N = a.shape[1], K = a.shape[2];
+  if (N < 1 || K < 1) hb::value_error(who + ": the weights have shape " + a.shape_str() + ": N and K must be >= 1");
+  hmoe::WeightRows src{a.data, a.dtype, L, N, K, nullptr, 0, 0};
+  if (fp8) {
+    const hb::TensorArg sa = hb::tensor(w_scales, "fp8 scales", hb::dtypes({hmoe::kF32}), 3, hb::Where::kCpu);
+    if (rows < 1 || cols < 1) hb::value_error(who + ": fp8 block sizes must be positive");
+    const int64_t want[3] = {L, hmoe::ceil_div(N, rows), hmoe::ceil_div(K, cols)};
+    for (int d = 0; d < 3; ++d)
+      if (sa.shape[d] != want[d])
+        hb::value_error(who + ": fp8 scales " + sa.shape_str() + " do not fit the weights " + a.shape_str() +
+                        " with blocks of " + std::to_string(rows) + " x " + std::to_string(cols));
+    src.fp8_scales = static_cast<const float*>(sa.data), src.rows = rows, src.cols = cols;
+  }
+  return src;
+}
+
+// fn(r0, r1) over rows [0, n) of row_bytes each, in tasks of about 1 MB on the pool, without the GIL;
+// true when every task returned true.
+template <class Fn>
+bool for_rows(int64_t n, int64_t row_bytes, int32_t num_threads, const Fn& fn) {
+  const int64_t per = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, row_bytes));
+  std::atomic<bool> ok{true};
+  hb::without_gil([&] {
+    hmoe::ThreadPool::instance().parallel_for(hmoe::ceil_div(n, per), num_threads, [&](int64_t t, int) {
+      const int64_t r0 = t * per;
+      if (!fn(r0, std::min(n, r0 + per))) ok.store(false, std::memory_order_relaxed);
+    });
+  });
+  return ok.load();
+}
+
 // Packed weights are streamed once per call by every thread: huge-page advised (common/huge_pages.h)
 // before the packer first touches them.
 
@@ -278,63 +314,43 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     return py::make_tuple(p13, p2);
   });
 
-  // hmoe.quant.quantize of CPU weights [L, N, K] (a float dtype) to int8 or int4 (hmoe.quant's rule and
-  // storage) into q (uint8 bytes: [L, N, K], int4 [L, N, K / 2]) and scales (fp32 [L, N, K / group]).
+  // hmoe.quant.quantize of CPU weights w [L, N, K] to int8 or int4 (hmoe.quant's rule and storage) into q
+  // (uint8 bytes: [L, N, K], int4 [L, N, K / 2]) and scales (fp32 [L, N, K / group]). w is a float dtype, or
+  // float8_e4m3fn bytes (uint8) with w_scales [L, ceil(N / w_rows), ceil(K / w_cols)]: quantised from their
+  // fp32 values with no fp32 copy of the weights.
   HMOE_DEF(m, quantize_weights, {
     if (w_format != hmoe::k::weight_format_int8 && w_format != hmoe::k::weight_format_int4)
       hb::value_error("quantize_weights: format " + std::string(hmoe::format_name(w_format)) + " is not int8 or int4");
     const bool int4 = w_format == hmoe::k::weight_format_int4;
-    const hb::TensorArg a = hb::tensor(w, "w", hb::kFloats, 3, hb::Where::kCpu);
+    const hmoe::WeightRows src = weight_rows(w, w_scales, w_rows, w_cols, "quantize_weights");
     const hb::TensorArg qa = hb::tensor(q, "q", hb::dtypes({hmoe::kU8}), 3, hb::Where::kCpu);
     const hb::TensorArg sa = hb::tensor(scales, "scales", hb::dtypes({hmoe::kF32}), 3, hb::Where::kCpu);
-    const int64_t L = a.shape[0], N = a.shape[1], K = a.shape[2];
-    if (group < 1 || K < 1 || K % group || (int4 && K % 2))
+    const int64_t L = src.L, N = src.N, K = src.K;
+    if (group < 1 || K % group || (int4 && K % 2))
       hb::value_error("quantize_weights: K = " + std::to_string(K) + " does not split into groups of " +
                       std::to_string(group) + (int4 ? " (and must be even for int4)" : ""));
     const int64_t want_q[3] = {L, N, int4 ? K / 2 : K}, want_s[3] = {L, N, K / group};
     for (int d = 0; d < 3; ++d)
       if (qa.shape[d] != want_q[d] || sa.shape[d] != want_s[d])
-        hb::value_error("quantize_weights: q " + qa.shape_str() + " and scales " + sa.shape_str() + " do not fit w " +
-                        a.shape_str() + " with groups of " + std::to_string(group));
-    const int64_t rows = L * N;
-    // Tasks of about 1 MB of weights (at least one row) so that every thread has work.
-    const int64_t per = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, K * hmoe::dtype_size(a.dtype)));
-    const int64_t tasks = hmoe::ceil_div(rows, per);
-    std::atomic<bool> finite{true};
-    hb::without_gil([&] {
-      hmoe::ThreadPool::instance().parallel_for(tasks, num_threads, [&](int64_t t, int) {
-        const int64_t r0 = t * per, r1 = std::min(rows, r0 + per);
-        if (!hmoe::quantize_rows(a.data, a.dtype, K, group, int4, r0, r1, qa.data, static_cast<float*>(sa.data)))
-          finite.store(false, std::memory_order_relaxed);
-      });
+        hb::value_error("quantize_weights: q " + qa.shape_str() + " and scales " + sa.shape_str() +
+                        " do not fit the weights with groups of " + std::to_string(group));
+    const bool ok = for_rows(L * N, K * hmoe::dtype_size(src.dtype), num_threads, [&](int64_t r0, int64_t r1) {
+      return hmoe::quantize_rows(src, group, int4, r0, r1, qa.data, static_cast<float*>(sa.data));
     });
-    if (!finite.load()) hb::value_error("quantize: the weights hold NaN or infinity; they cannot be quantised");
+    if (!ok) hb::value_error("quantize: the weights hold NaN or infinity; they cannot be quantised");
   });
 
   // hmoe.quant.dequantize of CPU fp8 weights: q (float8_e4m3fn bytes as uint8) [L, N, K] with scales fp32
   // [L, ceil(N / rows), ceil(K / cols)] into out fp32 [L, N, K]; a NaN byte is a ValueError.
   HMOE_DEF(m, dequantize_fp8, {
-    const hb::TensorArg qa = hb::tensor(q, "q", hb::dtypes({hmoe::kU8}), 3, hb::Where::kCpu);
-    const hb::TensorArg sa = hb::tensor(scales, "scales", hb::dtypes({hmoe::kF32}), 3, hb::Where::kCpu);
+    const hmoe::WeightRows src = weight_rows(q, scales, rows, cols, "dequantize_fp8");
     const hb::TensorArg oa = hb::tensor(out, "out", hb::dtypes({hmoe::kF32}), 3, hb::Where::kCpu);
-    const int64_t L = qa.shape[0], N = qa.shape[1], K = qa.shape[2];
-    if (rows < 1 || cols < 1) hb::value_error("dequantize_fp8: block sizes must be positive");
-    const int64_t want_s[3] = {L, hmoe::ceil_div(N, rows), hmoe::ceil_div(K, cols)};
-    for (int d = 0; d < 3; ++d)
-      if (sa.shape[d] != want_s[d] || oa.shape[d] != qa.shape[d])
-        hb::value_error("dequantize_fp8: scales " + sa.shape_str() + " and out " + oa.shape_str() + " do not fit q " +
-                        qa.shape_str() + " with blocks of " + std::to_string(rows) + " x " + std::to_string(cols));
-    const int64_t all = L * N, per = std::max<int64_t>(1, (int64_t(1) << 20) / std::max<int64_t>(1, K));
-    std::atomic<bool> ok{true};
-    hb::without_gil([&] {
-      hmoe::ThreadPool::instance().parallel_for(hmoe::ceil_div(all, per), num_threads, [&](int64_t t, int) {
-        const int64_t r0 = t * per, r1 = std::min(all, r0 + per);
-        if (!hmoe::dequantize_fp8_rows(static_cast<const uint8_t*>(qa.data), N, K, static_cast<const float*>(sa.data),
-                                       rows, cols, r0, r1, static_cast<float*>(oa.data)))
-          ok.store(false, std::memory_order_relaxed);
-      });
+    if (oa.shape[0] != src.L || oa.shape[1] != src.N || oa.shape[2] != src.K)
+      hb::value_error("dequantize_fp8: out " + oa.shape_str() + " does not fit q");
+    const bool ok = for_rows(src.L * src.N, src.K, num_threads, [&](int64_t r0, int64_t r1) {
+      return hmoe::dequantize_fp8_rows(src, r0, r1, static_cast<float*>(oa.data));
     });
-    if (!ok.load()) hb::value_error("dequantize: the fp8 weights hold NaN");
+    if (!ok) hb::value_error("dequantize: the fp8 weights hold NaN");
   });
 
   HMOE_DEF(m, fp8_has_nan, {

@@ -36,8 +36,9 @@
   (tensor, w13_data), (tensor, w13_scales), (tensor, w2_data), (tensor, w2_scales), (i32, w_format), (i64, group13), \
       (i64, group2), (i64, scale_rows13), (i64, scale_cols13), (i64, scale_rows2), (i64, scale_cols2),               \
       (i32, num_threads)
-#define HMOE_ARGS_quantize_weights \
-  (tensor, w), (i32, w_format), (i64, group), (tensor, q), (tensor, scales), (i32, num_threads)
+#define HMOE_ARGS_quantize_weights                                                                                   \
+  (tensor, w), (tensor_or_none, w_scales), (i64, w_rows), (i64, w_cols), (i32, w_format), (i64, group), (tensor, q), \
+      (tensor, scales), (i32, num_threads)
 #define HMOE_ARGS_dequantize_fp8 \
   (tensor, q), (tensor, scales), (i64, rows), (i64, cols), (tensor, out), (i32, num_threads)
 #define HMOE_ARGS_fp8_has_nan (tensor, q), (i32, num_threads)

@@ -91,8 +91,9 @@ class _Reader:
         return h.get_tensor(name) if expert is None else h.get_slice(name)[expert:expert + 1][0]
 
 
-def _weight(reader, name: str, block, expert: int | None = None):
-    """A weight in its float dtype, or an fp8 one dequantised with its scales (fp32); `expert`: one matrix
+def _weight(reader, name: str, block, expert: int | None = None, keep_fp8: bool = False):
+    """A weight in its float dtype, or an fp8 one dequantised with its scales (fp32; with keep_fp8, as
+    hmoe.quant.from_fp8's QuantizedWeights, for int8 / int4 to quantise from its bytes); `expert`: one matrix
     of a fused stack, which must be a float (see the module docstring). Callers convert as they store it
     (a bf16 weight through fp32 on the way was two more copies of it)."""
     import torch
@@ -108,7 +109,8 @@ def _weight(reader, name: str, block, expert: int | None = None):
                             "(DeepSeek-V3's layout) or a float dtype")
         if scale not in reader.names:
             raise ValueError(f"{reader.where}: {name} is float8_e4m3fn but {scale} is missing")
-        return quant.dequantize(quant.from_fp8(w, reader.get(scale), block))
+        qw = quant.from_fp8(w, reader.get(scale), block)
+        return qw if keep_fp8 else quant.dequantize(qw)
     if not w.is_floating_point():
         want = "a float" if expert is not None else "a float or float8_e4m3fn"
         raise TypeError(f"{reader.where}: {name} has dtype {w.dtype}; expected {want} weight")
@@ -179,7 +181,8 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
         first = {}  # expert 0's shapes, which every expert must have (copy_ would broadcast a column)
 
         def get(e):
-            ws = {n: _weight(reader, f"{pre}{e}.{n}.weight", fp8_block) for n in ("gate_proj", "up_proj", "down_proj")}
+            ws = {n: _weight(reader, f"{pre}{e}.{n}.weight", fp8_block, keep_fp8=quant in ("int8", "int4"))
+                  for n in ("gate_proj", "up_proj", "down_proj")}
             for n, w in ws.items():
                 if w.shape != first.setdefault(n, w.shape):
                     raise ValueError(f"load_experts: layer {layer}, expert {e}: {pre}{e}.{n}.weight has shape "
@@ -218,13 +221,15 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
                 dst.scales[e].copy_(src.scales)
         else:  # int8 / int4, quantised row by row straight into the stacks (gate and up apart: the same bits)
             if w13 is None:
-                w13 = q._empty((E, sum(len(p) for p in parts), parts[0].shape[1]), quant, group_size)
+                w13 = q._empty((E, sum(p.shape[0] for p in parts), parts[0].shape[1]), quant, group_size)
                 w2 = q._empty((E, *b.shape), quant, group_size)
             for dst, r, w in [(w13, r, p) for r, p in zip(_starts(parts), parts)] + [(w2, 0, b)]:
-                q._check_float(w, "load_experts")
-                rows = q.QuantizedWeights(quant, dst.data[e, r:r + len(w)], dst.scales[e, r:r + len(w)], w.shape,
+                if not isinstance(w, q.QuantizedWeights):  # fp8 ones: from_fp8 has checked their bytes
+                    q._check_float(w, "load_experts")
+                n = w.shape[0]
+                rows = q.QuantizedWeights(quant, dst.data[e, r:r + n], dst.scales[e, r:r + n], w.shape,
                                           group_size=dst.group_size)
-                q._quantize_into(w.detach().reshape(1, *w.shape), rows)
+                q._quantize_into(w, rows)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -237,7 +242,7 @@ def _starts(parts) -> list:
     out, r = [], 0
     for p in parts:
         out.append(r)
-        r += len(p)
+        r += p.shape[0]
     return out
 
 

@@ -14,10 +14,10 @@ scale and quotient computed in fp32):
 
 The scales are fp32; the dequantised weight is q * s in fp32. A group or block whose weights are all
 zero has scale 0. QuantizedWeights pickles (plain tensors, fp8's as their bytes, and a version number).
-quantize of int8 / int4 quantises CPU weights row by row on hmoe's CPU threads (native code, no fp32 copy of
-the weights); weights elsewhere, and fp8, go through torch ops in pieces of about 16M weights, so that the fp32
-temporaries stay a few hundred MB whatever the stack's size (a DeepSeek-V3 layer's 256 experts are 5.6G weights a
-matrix). Both give the same bits.
+On the CPU, quantize to int8 / int4, from_fp8(..., to=) and fp8's dequantize run natively, row by row on
+hmoe's CPU threads, with no fp32 copy of the weights; weights elsewhere, and quantize to fp8, go through torch
+ops in pieces of about 16M weights, so that the fp32 temporaries stay a few hundred MB whatever the stack's size
+(a DeepSeek-V3 layer's 256 experts are 5.6G weights a matrix). Both give the same bits.
 
 hmoe.CPUExperts takes QuantizedWeights for w13 and w2 (the same format for both); its kernels work
 in k groups of `kernel_group` (the group size; for int8 per row the whole row, K rounded up to a
@@ -218,7 +218,7 @@ def quantize(w, format: str, *, group_size: int | None = None, block=(128, 128))
         return QuantizedWeights("fp8", q.reshape(w.shape), scales.reshape(*lead, *scales.shape[1:]), w.shape,
                                 block=block)
     out = _empty(w.shape, format, group_size, w.device)
-    _quantize_into(w3, out)
+    _quantize_into(w, out)
     return out
 
 
@@ -237,15 +237,33 @@ def _empty(shape, format: str, group_size, device="cpu") -> QuantizedWeights:
     return QuantizedWeights(format, q, scales, shape, group_size=g)
 
 
-def _quantize_into(w3, out: QuantizedWeights) -> None:
-    """quantize of float weights [L, N, K] into int8 / int4 `out` of that shape, whose data and scales may be
-    views (e.g. one expert's rows of a stack: hmoe.load_experts fills its stacks so, with no copy)."""
-    L, N, K = w3.shape
+def _quantize_into(src, out: QuantizedWeights) -> None:
+    """quantize of weights [..., N, K] into int8 / int4 `out` of that shape, whose data and scales may be views
+    (e.g. one expert's rows of a stack: hmoe.load_experts fills its stacks so, with no copy). src: float
+    weights, or fp8 QuantizedWeights (from_fp8's), quantised from their fp32 values (on the CPU without an fp32
+    copy of them)."""
+    *lead, N, K = src.shape
+    L = math.prod(lead)
     q, scales = out.data.view(L, N, out.data.shape[-1]), out.scales.view(L, N, out.scales.shape[-1])
-    if w3.device.type == "cpu":
-        _quantize_cpu(w3, out.format, out.group_size or K, q, scales)
-    else:
+    fp8 = isinstance(src, QuantizedWeights)
+    if (src.data if fp8 else src).device.type != "cpu":
+        w3 = (dequantize(src) if fp8 else src.detach()).reshape(L, N, K)
         _quantize_torch(w3, out.format, out.group_size or K, q, scales)
+        return
+    import torch
+
+    from ._native import spec
+
+    mod, threads = _native()
+    code = spec.constants()[f"weight_format_{out.format}"]
+    if fp8:
+        mod.quantize_weights(src.data.reshape(L, N, K).view(torch.uint8).contiguous(),
+                             src.scales.float().reshape(L, *src.scales.shape[-2:]).contiguous(),
+                             min(src.block[0], N), min(src.block[1], K), code, out.group_size or K,
+                             q.view(torch.uint8), scales, threads)
+    else:
+        mod.quantize_weights(src.detach().reshape(L, N, K).contiguous(), None, 0, 0, code, out.group_size or K,
+                             q.view(torch.uint8), scales, threads)
 
 
 def _native():
@@ -254,18 +272,6 @@ def _native():
     from .ops import experts
 
     return experts.module(experts.select()), get_num_threads()
-
-
-def _quantize_cpu(w3, format: str, gk: int, q, scales) -> None:
-    """quantize's int8 / int4 rule on CPU weights [L, N, K], by the experts module of this CPU (threads, no fp32
-    copy of the weights); the same bits as _quantize_torch."""
-    import torch
-
-    from ._native import spec
-
-    mod, threads = _native()
-    code = spec.constants()[f"weight_format_{format}"]
-    mod.quantize_weights(w3.contiguous(), code, gk, q.view(torch.uint8), scales, threads)
 
 
 def _quantize_torch(w3, format: str, gk: int, q, scales) -> None:
@@ -369,6 +375,10 @@ def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
         return qw
     if to not in ("int8", "int4"):
         raise ValueError(f"from_fp8: to must be None, 'int8' or 'int4', got {to!r}")
+    if w_fp8.device.type == "cpu":  # natively, from the bytes: no fp32 copy of the weights
+        out = _empty(w_fp8.shape, to, group_size)
+        _quantize_into(qw, out)
+        return out
     # One matrix of the stack at a time: the fp32 weights never exist for the whole stack.
     L = math.prod(w_fp8.shape[:-2])
     if L == 0:  # an empty stack: no matrix to convert one at a time, but quantize still checks and shapes it
