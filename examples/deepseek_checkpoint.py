@@ -4,11 +4,12 @@ hmoe.nn.load_model reads the checkpoint (its routed experts one expert at a time
 quantised as they are read with --quant; fp8 checkpoints such as DeepSeek-V3's are dequantised), then
 hmoe.nn.GraphDecoder decodes every prompt of the batch, padded to one length, with each decode step
 replayed from a CUDA graph (on the CPU, --cpu, eagerly). Decoding is greedy and a row ends at the
-tokenizer's end-of-sequence token. The checkpoint directory needs its config.json, safetensors shards and
-tokenizer files, as published.
+tokenizer's end-of-sequence token. --gpu-experts N keeps each layer's N busiest experts on the prompts on
+the GPU (read again from the checkpoint in bf16). The checkpoint directory needs its config.json,
+safetensors shards and tokenizer files, as published.
 
     python examples/deepseek_checkpoint.py PATH [--prompt TEXT ...] [--max-new-tokens 64]
-        [--quant none|int8|int4|fp8] [--chat] [--cpu]
+        [--quant none|int8|int4|fp8] [--gpu-experts N] [--chat] [--cpu]
 """
 import argparse
 import sys
@@ -26,6 +27,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4", "fp8"],
                    help="the CPU experts' weight format (default none: the checkpoint's float dtype, bf16 for fp8)")
+    p.add_argument("--gpu-experts", type=int, default=0, metavar="N",
+                   help="keep each layer's N busiest experts on the prompts on the GPU (default 0: all on the CPU)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--cpu", action="store_true", help="keep everything on the CPU even if a GPU is present")
     opts = p.parse_args()
@@ -42,15 +45,19 @@ def main() -> int:
     if opts.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                    for t in prompts]
+    if opts.gpu_experts < 0:
+        p.error("--gpu-experts must be at least 0")
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.cpu else "cpu")
-    t0 = time.perf_counter()
-    model = hn.load_model(opts.path, device=device, quant=None if opts.quant == "none" else opts.quant)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s")
     tok.padding_side = "left"  # a batch's prompts end together; GraphDecoder takes either side
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     enc = tok(prompts, return_tensors="pt", padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]
+    t0 = time.perf_counter()
+    model = hn.load_model(opts.path, device=device, quant=None if opts.quant == "none" else opts.quant,
+                          gpu_experts=opts.gpu_experts or None,
+                          calibration={"input_ids": ids, "attention_mask": mask} if opts.gpu_experts else None)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s")
     dec = hn.GraphDecoder(model, batch_size=len(prompts), max_cache_len=ids.shape[1] + opts.max_new_tokens + 1,
                           capture=device.type == "cuda")
     t0 = time.perf_counter()

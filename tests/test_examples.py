@@ -51,10 +51,12 @@ def test_checkpoint_example_generates_a_padded_batch_on_the_cpu(tmp_path):
     models.model("v3", torch.bfloat16).save_pretrained(tmp_path)
     _word_tokenizer(tmp_path)
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "deepseek_checkpoint.py"), str(tmp_path), "--cpu",
-                          "--quant", "int8", "--max-new-tokens", "5", "--prompt", "w1 w2 w3 w4", "--prompt", "w7"],
+                          "--quant", "int8", "--gpu-experts", "2", "--max-new-tokens", "5", "--prompt", "w1 w2 w3 w4",
+                          "--prompt", "w7"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "hmoe.nn.load_model: swapped 2 MoE blocks" in out.stderr and "bfloat16 as int8" in out.stderr
+    assert len(re.findall(r"mlp: experts \[\d+, \d+\] onto cpu", out.stderr)) == 2, out.stderr[-3000:]
     texts = re.findall(r"--- '([^']*)'\n(.*)\n", out.stdout)
     assert [t for t, _ in texts] == ["w1 w2 w3 w4", "w7"], out.stdout
     assert all(w in {f"w{i}" for i in range(125)} for _, new in texts for w in new.split()), out.stdout

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -365,6 +366,37 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
       });
     });
     return found.load();
+  });
+
+  // The packed weights of experts ids (int32 or int64, each in [0, E)) of packed weights of E experts, in
+  // that order: each expert's bytes are contiguous, so a copy (huge-page advised, on the pool's threads).
+  HMOE_DEF(m, packed_select, {
+    const hb::TensorArg a = packed_arg(w13_packed, "w13 (packed)"), b = packed_arg(w2_packed, "w2 (packed)");
+    const hb::TensorArg ia = hb::tensor(ids, "ids", hb::dtypes({hmoe::kI32, hmoe::kI64}), 1, hb::Where::kCpu);
+    if (E < 1 || a.numel % E || b.numel % E)
+      hb::value_error("packed_select: the packed weights do not hold E = " + std::to_string(E) + " experts");
+    const int64_t b13 = a.numel / E, b2 = b.numel / E, n = ia.numel;
+    std::vector<int64_t> sel(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      sel[size_t(i)] =
+          ia.dtype == hmoe::kI32 ? static_cast<const int32_t*>(ia.data)[i] : static_cast<const int64_t*>(ia.data)[i];
+      if (sel[size_t(i)] < 0 || sel[size_t(i)] >= E)
+        hb::value_error("packed_select: expert id " + std::to_string(sel[size_t(i)]) + " is outside [0, " +
+                        std::to_string(E) + ")");
+    }
+    void *dst13 = nullptr, *dst2 = nullptr;
+    py::object p13 = packed_empty(n * b13, &dst13);
+    py::object p2 = packed_empty(n * b2, &dst2);
+    hb::without_gil([&] {
+      hmoe::ThreadPool::instance().parallel_for(2 * n, num_threads, [&](int64_t t, int) {
+        const int64_t i = t / 2, e = sel[size_t(i)];
+        if (t % 2 == 0)
+          std::memcpy(static_cast<char*>(dst13) + i * b13, static_cast<const char*>(a.data) + e * b13, size_t(b13));
+        else
+          std::memcpy(static_cast<char*>(dst2) + i * b2, static_cast<const char*>(b.data) + e * b2, size_t(b2));
+      });
+    });
+    return py::make_tuple(p13, p2);
   });
 
   HMOE_DEF(m, pack_weights, {

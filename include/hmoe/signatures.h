@@ -42,6 +42,7 @@
 #define HMOE_ARGS_dequantize_fp8 \
   (tensor, q), (tensor, scales), (i64, rows), (i64, cols), (tensor, out), (i32, num_threads)
 #define HMOE_ARGS_fp8_has_nan (tensor, q), (i32, num_threads)
+#define HMOE_ARGS_packed_select (tensor, w13_packed), (tensor, w2_packed), (i64, E), (tensor, ids), (i32, num_threads)
 #define HMOE_ARGS_packed_bytes (i32, w_format), (i64, H), (i64, I), (i64, group13), (i64, group2)
 #define HMOE_ARGS_read_bandwidth (i64, bytes), (i32, threads), (i32, repeats)
 #define HMOE_ARGS_prewarm (i32, device)
@@ -92,6 +93,7 @@
   X(experts, experts, quantize_weights, "None", HMOE_ARGS_quantize_weights)                                     \
   X(experts, experts, dequantize_fp8, "None", HMOE_ARGS_dequantize_fp8)                                         \
   X(experts, experts, fp8_has_nan, "bool", HMOE_ARGS_fp8_has_nan)                                               \
+  X(experts, experts, packed_select, "(w13_packed, w2_packed)", HMOE_ARGS_packed_select)                        \
   X(experts, experts, packed_bytes, "(w13_bytes_per_expert, w2_bytes_per_expert)", HMOE_ARGS_packed_bytes)      \
   X(cuda, cuda, prewarm, "None", HMOE_ARGS_prewarm)                                                             \
   X(cuda, grouped_topk, grouped_topk, "(weights, ids)", HMOE_ARGS_grouped_topk)                                 \

@@ -149,8 +149,10 @@ def load_experts(path: str, layer: int, *, quant: str | None = None, group_size:
     return _read_experts(names, path, layer, quant, group_size, dtype, prefix, fp8_block, progress)
 
 
-def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, prefix, fp8_block, progress: bool):
-    """load_experts with its arguments checked and the checkpoint's tensor names (_shards) in hand."""
+def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, prefix, fp8_block, progress: bool,
+                  only: list | None = None):
+    """load_experts with its arguments checked and the checkpoint's tensor names (_shards) in hand; `only`: just
+    these experts (ids in the layer), stacked in that order."""
     import torch
 
     from . import quant as q
@@ -196,9 +198,13 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
         src_dtype = reader.dtype(f"{pre}0.gate_proj.weight")
     if dtype is None:
         dtype = torch.bfloat16 if src_dtype == torch.float8_e4m3fn else src_dtype
-    bar = _bar(E, f"layer {layer} experts", progress)
+    if only is not None and not all(0 <= e < E for e in only):
+        raise ValueError(f"load_experts: layer {layer} has {E} experts; asked for {list(only)}")
+    chosen = range(E) if only is None else list(only)
+    bar = _bar(len(chosen), f"layer {layer} experts", progress)
+    E = len(chosen)
     w13 = w2 = None
-    for e in range(E):
+    for i, e in enumerate(chosen):
         # w13's rows in parts (gate, then up; or both fused), written into the stack with no concatenated copy
         # on the way (the checkpoint's tensors are read as they are first touched, here)
         parts, b = get(e)
@@ -210,15 +216,15 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
                 w2 = torch.empty((E, *b.shape), dtype=dtype)
             # one cat into the stack: copying gate and up into their rows, straight from the mapped shards, made a
             # bf16 load_model of 9.6 GiB 3-5 s slower on an H200 machine's host
-            torch.cat(parts, out=w13[e])
-            w2[e].copy_(b)
+            torch.cat(parts, out=w13[i])
+            w2[i].copy_(b)
         elif quant == "fp8":  # group_size with fp8 (scaled per block) is quantize's error, not ignored
             qa, qb = (q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in (parts[0], b))
             if w13 is None:
                 w13, w2 = _stack_like(qa, E), _stack_like(qb, E)
             for dst, src in ((w13, qa), (w2, qb)):
-                dst.data[e].copy_(src.data)
-                dst.scales[e].copy_(src.scales)
+                dst.data[i].copy_(src.data)
+                dst.scales[i].copy_(src.scales)
         else:  # int8 / int4, quantised row by row straight into the stacks (gate and up apart: the same bits)
             if w13 is None:
                 w13 = q._empty((E, sum(p.shape[0] for p in parts), parts[0].shape[1]), quant, group_size)
@@ -227,7 +233,7 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
                 if not isinstance(w, q.QuantizedWeights):  # fp8 ones: from_fp8 has checked their bytes
                     q._check_float(w, "load_experts")
                 n = w.shape[0]
-                rows = q.QuantizedWeights(quant, dst.data[e, r:r + n], dst.scales[e, r:r + n], w.shape,
+                rows = q.QuantizedWeights(quant, dst.data[i, r:r + n], dst.scales[i, r:r + n], w.shape,
                                           group_size=dst.group_size)
                 q._quantize_into(w, rows)
         if bar is not None:

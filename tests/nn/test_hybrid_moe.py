@@ -9,6 +9,7 @@ import torch
 
 import hmoe.nn as hn
 from hmoe import _reference
+from hmoe.quant import quantize
 
 from . import models
 
@@ -217,6 +218,42 @@ def test_gpu_w2_keeps_its_layout_through_to_and_the_state_dict():
     ref = _reference.moe_experts(x[:3], torch.where(torch.isin(ids, m64.gpu_ids), ids, -1), weights, w13, w2,
                                  contract=False)
     assert got.dtype == torch.float64 and _rel(got, ref) <= 1e-14
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_experts_moved_to_the_device_later_compute_as_if_placed_there_at_construction(quant):
+    # keep_on_device after construction (load_model's gpu_experts: CPU experts quantised, the device's in float
+    # from the checkpoint) gives the module gpu_experts= builds: the same placement, bits and state dict
+    E, H, inter = 8, 64, 32
+    group = 32 if quant == "int4" else None
+    gen = torch.Generator().manual_seed(21)
+    g, w13, w2 = (torch.randn(*s, generator=gen) for s in ((E, H), (E, 2 * inter, H), (E, H, inter)))
+    want = hn.HybridMoE(g, w13, w2, top_k=3, gpu_experts=[2, 5, 6], quant=quant, group_size=group)
+    if quant is None:
+        moe = hn.HybridMoE(g, w13, w2, top_k=3)
+    else:
+        moe = hn.HybridMoE(g, quantize(w13, quant, group_size=group), quantize(w2, quant, group_size=group), top_k=3)
+    x = torch.randn(11, H, generator=gen)
+    with torch.no_grad():
+        moe(x)  # routing_counts and an eager call before the move
+        moe.keep_on_device(torch.tensor([6, 2, 5]), w13[[2, 5, 6]], w2[[2, 5, 6]])
+        assert torch.equal(moe(x), want(x))
+    assert moe.gpu_ids.tolist() == [2, 5, 6] and moe.experts.num_experts == 5
+    assert moe.routing_counts.sum() == 11 * 3  # counted again from the move on
+    sd, ref = moe.state_dict(), want.state_dict()
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd if k != "routing_counts")
+    with pytest.raises(ValueError, match="keeps experts on its device already"):
+        moe.keep_on_device([1], w13[[1]], w2[[1]])
+    fresh = hn.HybridMoE(g, w13, w2, top_k=3)
+    with pytest.raises(ValueError, match=r"w13 must be float weights of shape \(2, 64, 64\)"):
+        fresh.keep_on_device([1, 2], w13[[1]], w2[[1, 2]])
+    with pytest.raises(ValueError, match="distinct expert ids"):
+        fresh.keep_on_device([1, 1], w13[[1, 1]], w2[[1, 1]])
+    with pytest.raises(TypeError, match="a list of expert ids"):
+        fresh.keep_on_device(2, w13[[1, 2]], w2[[1, 2]])
+    with pytest.raises(ValueError, match="leave at least one on the CPU"):
+        fresh.keep_on_device(list(range(E)), w13, w2)
+    assert fresh.gpu_w13 is None and fresh.experts.num_experts == E  # a refused move changes nothing
 
 
 def test_gpu_experts_under_torch_compile():

@@ -58,6 +58,52 @@ def test_experts_quantised_as_they_are_read(tmp_path):
     assert torch.equal(_logits(got, ids), _logits(_reference(tmp_path, quant="int4", group_size=32), ids))
 
 
+def test_experts_kept_on_the_device_by_id(tmp_path):
+    # the chosen experts read again in float (here the "device" is the CPU: the same module code), the others
+    # quantised: what patch_model(gpu_experts=ids, quant=...) of the from_pretrained model computes
+    _saved(tmp_path, "v3")
+    got = hn.load_model(str(tmp_path), device="cpu", quant="int4", group_size=32, gpu_experts=[0, 3],
+                        progress=False)
+    blocks = [b for b in got.modules() if isinstance(b, hn.HybridMoE)]
+    assert all(b.gpu_ids.tolist() == [0, 3] and b.gpu_w13.dtype == torch.bfloat16 for b in blocks)
+    assert [b.gpu_experts for b in got.hmoe_report.blocks] == [[0, 3]] * len(blocks)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    want = _reference(tmp_path, quant="int4", group_size=32, gpu_experts=[0, 3])
+    assert torch.equal(_logits(got, ids), _logits(want, ids))
+
+
+def test_experts_kept_on_the_device_by_count_are_the_busiest_on_the_calibration(tmp_path):
+    _saved(tmp_path, "v2")
+    calib = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    cpu_only = hn.load_model(str(tmp_path), device="cpu", progress=False)
+    _logits(cpu_only, calib)
+    busiest = [sorted(torch.argsort(b.routing_counts, descending=True, stable=True)[:3].tolist())
+               for b in cpu_only.modules() if isinstance(b, hn.HybridMoE)]
+    got = hn.load_model(str(tmp_path), device="cpu", gpu_experts=3, calibration={"input_ids": calib},
+                        progress=False)
+    blocks = [b for b in got.modules() if isinstance(b, hn.HybridMoE)]
+    assert [b.gpu_ids.tolist() for b in blocks] == busiest == [b.gpu_experts for b in got.hmoe_report.blocks]
+    assert all(b.routing_counts.sum() == 0 and b.experts.num_experts == b.num_experts - 3 for b in blocks)
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    a, b = _logits(got, ids).double(), _logits(cpu_only, ids).double()
+    assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 0.05  # bf16 on either side
+
+
+def test_gpu_experts_refused_before_anything_is_read(tmp_path):
+    _saved(tmp_path, "v2")
+    with pytest.raises(ValueError, match="pass calibration="):
+        hn.load_model(str(tmp_path), device="cpu", gpu_experts=2, progress=False)
+    with pytest.raises(TypeError, match="calibration must be input ids"):
+        hn.load_model(str(tmp_path), device="cpu", gpu_experts=2, calibration=[1, 2], progress=False)
+    with pytest.raises(ValueError, match="distinct expert ids"):
+        hn.load_model(str(tmp_path), device="cpu", gpu_experts=[1, 1], progress=False)
+    E = models.model("v2", torch.bfloat16).config.n_routed_experts
+    for every in (E, list(range(E))):
+        with pytest.raises(ValueError, match="leave at least one on the CPU"):
+            hn.load_model(str(tmp_path), device="cpu", gpu_experts=every, calibration=torch.ones(1, 2, dtype=torch.long),
+                          progress=False)
+
+
 def _fp8_checkpoint(tmp_path):
     """The small V3 model written as DeepSeek-V3 ships: every linear (attention, dense and shared MLPs,
     each routed expert) float8_e4m3fn with fp32 weight_scale_inv per 128 x 128 block; embeddings, norms,

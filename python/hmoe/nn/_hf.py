@@ -224,18 +224,31 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _check_calibration(calibration, who: str) -> None:
+    if isinstance(calibration, torch.Tensor):
+        if calibration.is_floating_point() or calibration.is_complex() or calibration.numel() == 0:
+            raise ValueError(f"{who}: calibration must be input ids (an integer tensor with some tokens) or "
+                             f"a dict of model inputs, got a {calibration.dtype} tensor of shape "
+                             f"{tuple(calibration.shape)}")
+    elif not isinstance(calibration, dict):
+        raise TypeError(f"{who}: calibration must be input ids (an integer tensor) or a dict of model "
+                        f"inputs, got {type(calibration).__name__}")
+
+
+def _calibrate(model, calibration) -> None:
+    """One forward of model on `calibration` (checked by _check_calibration)."""
+    with torch.no_grad():
+        if isinstance(calibration, dict):
+            model(**calibration)
+        else:
+            model(calibration)
+
+
 def _count_routing(model, blocks, calibration):
     """Routing counts per block from one forward of the original model on `calibration`."""
     from .. import ops
 
-    if isinstance(calibration, torch.Tensor):
-        if calibration.is_floating_point() or calibration.is_complex() or calibration.numel() == 0:
-            raise ValueError(f"hmoe.nn.patch_model: calibration must be input ids (an integer tensor with some tokens) or "
-                             f"a dict of model inputs, got a {calibration.dtype} tensor of shape "
-                             f"{tuple(calibration.shape)}")
-    elif not isinstance(calibration, dict):
-        raise TypeError("hmoe.nn.patch_model: calibration must be input ids (an integer tensor) or a dict of model "
-                        f"inputs, got {type(calibration).__name__}")
+    _check_calibration(calibration, "hmoe.nn.patch_model")
     counts, hooks = {}, []
     for name, block in blocks:
         opts = router_options(block.gate)
@@ -253,11 +266,7 @@ def _count_routing(model, blocks, calibration):
 
         hooks.append(block.register_forward_pre_hook(hook))
     try:
-        with torch.no_grad():
-            if isinstance(calibration, dict):
-                model(**calibration)
-            else:
-                model(calibration)
+        _calibrate(model, calibration)
     finally:
         for h in hooks:
             h.remove()

@@ -16,15 +16,17 @@ import sys
 import torch
 
 from .. import checkpoint
+from ..validation import is_int
 from . import _hf
+from .hybrid import _resolve_gpu_experts
 
 WHO = "hmoe.nn.load_model"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | None = None,
-               group_size: int | None = None, isa: str | None = None, fuse_norms: bool = True,
-               progress: bool = True):
+               group_size: int | None = None, gpu_experts=None, calibration=None, isa: str | None = None,
+               fuse_norms: bool = True, progress: bool = True):
     """A transformers DeepSeek-V2/V3 causal LM (eval mode) from the checkpoint directory `path` (its
     config.json and safetensors shards), patched as hmoe.nn.patch_model patches one: every MoE block a
     HybridMoE with its routed experts on the CPU, read from the checkpoint one expert at a time (quant
@@ -34,6 +36,12 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     config's weight_block_size, default 128 x 128). Tensors of the checkpoint the model has no place for
     (DeepSeek-V3's multi-token-prediction layer) are left unread; a tensor the model needs and the
     checkpoint lacks is an error. model.hmoe_report is the PatchReport (printed to stderr with progress).
+
+    gpu_experts, as hmoe.nn.patch_model's: per MoE block, expert ids to compute on `device` instead of the CPU,
+    or a count n chosen per block from routing statistics: the n busiest experts of one forward of the loaded
+    model (every expert still on the CPU) on `calibration` (input ids, or a dict of model inputs; tensors are
+    moved to `device`). Those experts are read from the checkpoint again, in `dtype`, onto `device`
+    (HybridMoE.keep_on_device); the CPU experts keep the others, quantised or not as `quant` says.
     """
     import transformers
 
@@ -49,6 +57,12 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{WHO}: device {device} asked for, but torch sees no CUDA device (device='cpu' loads it "
                          "all into host memory)")
+    count = is_int(gpu_experts) and gpu_experts > 0
+    if count:
+        if calibration is None:
+            raise ValueError(f"{WHO}: gpu_experts as a count is chosen from routing statistics: pass calibration= "
+                             "(input ids or a dict of model inputs), or give expert ids")
+        _hf._check_calibration(calibration, WHO)
     names = checkpoint._shards(path, WHO)
     config = transformers.AutoConfig.from_pretrained(path)
     if getattr(config, "model_type", None) not in ("deepseek_v2", "deepseek_v3"):
@@ -87,6 +101,11 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     blocks = [(n, m) for n, m in model.named_modules() if _hf.is_moe_block(m)]
     if not blocks:
         raise ValueError(f"{WHO}: the model built from {path!r} has no DeepSeek MoE block")
+    E = blocks[0][1].gate.weight.shape[0]
+    fixed = [] if count or gpu_experts is None else _resolve_gpu_experts(gpu_experts, None, E)  # checked now
+    if len(fixed) >= E or count and gpu_experts >= E:
+        raise ValueError(f"{WHO}: gpu_experts keeps all {E} experts of a block on {device}; leave at least one on "
+                         "the CPU")
     # each layer's expert tensors, indexed in one pass over the names (a scan of them all for every layer
     # took 18 s for DeepSeek-V3's 89k names)
     experts_of: dict = {}
@@ -94,7 +113,7 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         i = k.find(".mlp.experts.")
         if i >= 0:
             experts_of.setdefault(k[:i + len(".mlp.experts.")], {})[k] = f
-    reports, isa_name = [], None
+    reports, isa_name, placed = [], None, []
     for i, (name, moe) in enumerate(blocks):
         layer = _layer_of(name)
         if progress:
@@ -114,6 +133,7 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
                            isa=isa, **_hf.router_options(moe.gate))
         del w13, w2
         _hf._set_submodule(model, name, hybrid)
+        placed.append((name, layer, hybrid, expert_keys))
         isa_name = hybrid.experts.isa
         reports.append(_hf.BlockReport(name, hybrid.num_experts, [], reader.dtype(min(expert_keys)), "the checkpoint",
                                        hybrid.experts.packed_bytes, hybrid.experts.format))
@@ -129,12 +149,39 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         raise RuntimeError(f"{WHO}: {len(left)} tensors of the model were not filled: {left[:5]}")
     norms = _hf._fuse_norms(model) if fuse_norms else 0
     model.eval()
+    if count or fixed:
+        _place_experts(model, placed, reports, gpu_experts if count else fixed, calibration, path, dtype, device,
+                       block, progress)
     unread = len([k for k in names if k not in used and not k.endswith("_scale_inv")])
     report = _hf.PatchReport(reports, 0, isa_name, str(device), 0, norms, who=WHO, unread=unread)
     model.hmoe_report = report
     if progress:
         print(report, file=sys.stderr, flush=True)
     return model
+
+
+def _place_experts(model, placed, reports, gpu_experts, calibration, path, dtype, device, block, progress) -> None:
+    """Moves gpu_experts (ids, or a count chosen after a forward on calibration) of every placed block to the
+    device, their float weights read from the checkpoint again."""
+    if not isinstance(gpu_experts, list):  # a count: the busiest experts of the loaded model on calibration
+        for _, _, hybrid, _ in placed:
+            hybrid.routing_counts.zero_()
+        _hf._calibrate(model, _to(calibration, device))
+    for (name, layer, hybrid, keys), report in zip(placed, reports):
+        ids = (gpu_experts if isinstance(gpu_experts, list)
+               else _resolve_gpu_experts(gpu_experts, hybrid.routing_counts, hybrid.num_experts))
+        if progress:
+            print(f"{WHO}: {name}: experts {ids} onto {device}", file=sys.stderr, flush=True)
+        w13, w2 = checkpoint._read_experts(keys, path, layer, None, None, dtype, f"{name}.experts.", block, progress,
+                                           only=ids)
+        hybrid.keep_on_device(ids, w13, w2)
+        report.gpu_experts, report.packed_bytes = ids, hybrid.experts.packed_bytes
+
+
+def _to(inputs, device):
+    if isinstance(inputs, dict):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return inputs.to(device)
 
 
 def _persistent_buffers(module) -> list:

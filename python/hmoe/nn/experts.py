@@ -123,6 +123,22 @@ class CPUExperts:
                              f"{sel.variant} module expects; build it again from the weights")
         self._w13, self._w2 = state["w13"], state["w2"]
 
+    def subset(self, ids) -> CPUExperts:
+        """A CPUExperts of experts `ids` of this one, in that order (their packed bytes copied: nothing is
+        packed or quantised again)."""
+        import torch
+
+        idx = torch.as_tensor(ids, dtype=torch.int64).flatten()
+        if idx.numel() == 0:
+            raise ValueError("CPUExperts.subset: no expert ids")
+        w13, w2 = self._mod.packed_select(self._w13, self._w2, self.num_experts, idx, get_num_threads())
+        new = object.__new__(CPUExperts)
+        new._isa_request, new.selection, new.dtype = self._isa_request, self.selection, self.dtype
+        new._set(self._mod, self.format, idx.numel(), self.hidden_size, self.intermediate_size, self.group13,
+                 self.group2)
+        new._w13, new._w2 = w13, w2
+        return new
+
     @property
     def isa(self) -> str:
         return self.selection.variant

@@ -118,24 +118,12 @@ class HybridMoE(torch.nn.Module):
         self.shared_experts = shared_experts
 
         gpu = _resolve_gpu_experts(gpu_experts, routing_counts, E)
-        cpu = [e for e in range(E) if e not in set(gpu)]
-        if not cpu:
-            raise ValueError(f"HybridMoE: gpu_experts keeps all {E} experts on the GPU; leave at least one on the "
-                             "CPU (or use the model's own MoE block)")
-        index = torch.full((E,), -1, dtype=torch.int32)
-        index[cpu] = torch.arange(len(cpu), dtype=torch.int32)
-        self.register_buffer("cpu_index", index.to(dev))
-        self.register_buffer("gpu_ids", torch.tensor(gpu, dtype=torch.int32, device=dev))
+        for name in ("cpu_index", "gpu_ids", "gpu_w13", "gpu_w2"):
+            self.register_buffer(name, None)
         with torch.no_grad():
-            self.register_buffer("gpu_w13", None)
-            self.register_buffer("gpu_w2", None)
-            if gpu:
-                sel = torch.tensor(gpu, dtype=torch.long, device=w13.device)
-                self.gpu_w13 = w13.detach().index_select(0, sel).to(dev)
-                # gpu_w2 is [G, H, I] (the state dict's shape) over memory laid out as [G, I, H], so that
-                # _gpu_part reads it as one [G * I, H] matrix without a copy (.to() keeps such strides)
-                w2_ih = w2.detach().transpose(1, 2).index_select(0, sel.to(w2.device))  # contiguous [G, I, H]
-                self.gpu_w2 = w2_ih.to(dev).transpose(1, 2)
+            sel = torch.tensor(gpu, dtype=torch.long)
+            cpu = self._place(gpu, *((w.detach().index_select(0, sel.to(w.device)) for w in (w13, w2)) if gpu
+                                     else (None, None)))
             if quantised[0]:
                 c13, c2 = w13, w2
             else:
@@ -151,6 +139,54 @@ class HybridMoE(torch.nn.Module):
         self._ones: dict = {}
         self._gate_f32, self._gate_key = None, None
         self._warned_grad = False
+
+    def _place(self, gpu: list, w13, w2) -> list:
+        """Sets the expert placement: experts `gpu` (sorted ids) computed on the module's device from their
+        float weights w13 [G, 2I, H] and w2 [G, H, I], the others on the CPU in id order; returns those."""
+        E, dev = self.num_experts, self.gate_weight.device
+        cpu = [e for e in range(E) if e not in set(gpu)]
+        if not cpu:
+            raise ValueError(f"HybridMoE: gpu_experts keeps all {E} experts on the GPU; leave at least one on the "
+                             "CPU (or use the model's own MoE block)")
+        index = torch.full((E,), -1, dtype=torch.int32)
+        index[cpu] = torch.arange(len(cpu), dtype=torch.int32)
+        self.cpu_index = index.to(dev)
+        self.gpu_ids = torch.tensor(gpu, dtype=torch.int32, device=dev)
+        self.gpu_w13 = self.gpu_w2 = None
+        if gpu:
+            self.gpu_w13 = w13.to(dev)
+            # gpu_w2 is [G, H, I] (the state dict's shape) over memory laid out as [G, I, H], so that
+            # _gpu_part reads it as one [G * I, H] matrix without a copy (.to() keeps such strides)
+            self.gpu_w2 = w2.transpose(1, 2).contiguous().to(dev).transpose(1, 2)
+        return cpu
+
+    def keep_on_device(self, gpu_experts, w13, w2) -> None:
+        """Moves experts `gpu_experts` (ids, e.g. chosen from routing_counts after some tokens) from the CPU
+        experts to the module's device, where they are computed from the float weights w13 [G, 2I, H] and
+        w2 [G, H, I] given (one matrix of each per id, in sorted id order: from the checkpoint, say, when the
+        CPU experts are quantised). The CPU experts keep the others (their packed bytes copied, nothing
+        quantised again). Only for a module with no experts on its device yet; routing_counts is reset."""
+        if self.gpu_w13 is not None:
+            raise ValueError("HybridMoE.keep_on_device: this module keeps experts on its device already")
+        if any(job.captured for job in self._jobs.values()):
+            raise RuntimeError("HybridMoE.keep_on_device: a captured CUDA graph runs this module's CPU experts; "
+                               "move experts before capturing")
+        if isinstance(gpu_experts, bool) or not isinstance(gpu_experts, (list, tuple, torch.Tensor)):
+            raise TypeError(f"HybridMoE.keep_on_device: gpu_experts must be a list of expert ids, got {gpu_experts!r}")
+        gpu = _resolve_gpu_experts(gpu_experts, None, self.num_experts)
+        G, H, inter = len(gpu), self.hidden_size, self.intermediate_size
+        for name, t, want in (("w13", w13, (G, 2 * inter, H)), ("w2", w2, (G, H, inter))):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != want:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"HybridMoE.keep_on_device: {name} must be float weights of shape {want} (the "
+                                 f"{G} experts' in sorted id order), got {got}")
+        if not gpu:
+            return
+        with torch.no_grad():
+            cpu = self._place(gpu, w13.detach(), w2.detach())
+            self.experts = self.experts.subset(cpu)
+            self.routing_counts.zero_()
+        self._jobs = {}  # their buffers were made for the CPU experts before (queued runs are waited for)
 
     # --- construction from transformers ---------------------------------------------------------------
 
