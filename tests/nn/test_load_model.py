@@ -211,6 +211,26 @@ def test_loaded_onto_the_gpu_decodes_as_the_patched_original(tmp_path):
     assert dec.attention == "hmoe" and torch.equal(dec.generate(ids, 12), want)
 
 
+@pytest.mark.gpu
+def test_experts_kept_on_the_gpu_decode_as_the_patched_original(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _saved(tmp_path, "v3", kv_lora_rank=512, qk_rope_head_dim=64)
+    calib = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(8))
+    got = hn.load_model(str(tmp_path), gpu_experts=3, calibration=calib, progress=False)  # moved to the GPU
+    blocks = [b for b in got.modules() if isinstance(b, hn.HybridMoE)]
+    assert all(b.gpu_w13.is_cuda and b.gpu_ids.numel() == 3 for b in blocks)
+    chosen = blocks[0].gpu_ids.tolist()
+    fixed = hn.load_model(str(tmp_path), gpu_experts=chosen, progress=False)
+    ids = torch.randint(0, 128, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    want = hn.GraphDecoder(_reference(tmp_path, "cuda", gpu_experts=chosen), batch_size=2,
+                           max_cache_len=40).generate(ids, 12)
+    dec = hn.GraphDecoder(fixed, batch_size=2, max_cache_len=40)
+    assert dec.attention == "hmoe" and torch.equal(dec.generate(ids, 12), want)
+    out = hn.GraphDecoder(got, batch_size=2, max_cache_len=40).generate(ids, 12)
+    assert out.shape == want.shape and bool((out[:, :9] == ids).all())
+
+
 def test_hybrid_moe_takes_quantised_experts_as_they_are():
     E, H, inter = 8, 64, 32
     gen = torch.Generator().manual_seed(5)
