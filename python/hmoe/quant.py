@@ -256,14 +256,19 @@ def _quantize_into(src, out: QuantizedWeights) -> None:
 
     mod, threads = _native()
     code = spec.constants()[f"weight_format_{out.format}"]
-    if fp8:
-        mod.quantize_weights(src.data.reshape(L, N, K).view(torch.uint8).contiguous(),
-                             src.scales.float().reshape(L, *src.scales.shape[-2:]).contiguous(),
-                             min(src.block[0], N), min(src.block[1], K), code, out.group_size or K,
-                             q.view(torch.uint8), scales, threads)
-    else:
-        mod.quantize_weights(src.detach().reshape(L, N, K).contiguous(), None, 0, 0, code, out.group_size or K,
-                             q.view(torch.uint8), scales, threads)
+    weights = _fp8_args(src) if fp8 else (src.detach().reshape(L, N, K).contiguous(), None, 0, 0)
+    mod.quantize_weights(*weights, code, out.group_size or K, q.view(torch.uint8), scales, threads)
+
+
+def _fp8_args(qw: QuantizedWeights):
+    """The native entry points' view of fp8 weights [..., N, K]: (bytes [L, N, K], scales fp32 [L, ...], block rows,
+    block columns), the block bounded by the matrix (a block larger than it covers it whole)."""
+    import torch
+
+    N, K = qw.shape[-2:]
+    L = math.prod(qw.shape[:-2])
+    return (qw.data.reshape(L, N, K).view(torch.uint8).contiguous(),
+            qw.scales.float().reshape(L, *qw.scales.shape[-2:]).contiguous(), min(qw.block[0], N), min(qw.block[1], K))
 
 
 def _native():
@@ -324,11 +329,8 @@ def dequantize(qw: QuantizedWeights):
         import torch
 
         mod, threads = _native()
-        L = math.prod(qw.shape[:-2])
         out = torch.empty(qw.shape, dtype=torch.float32)
-        mod.dequantize_fp8(qw.data.reshape(L, N, K).view(torch.uint8).contiguous(),
-                           qw.scales.float().reshape(L, *qw.scales.shape[-2:]).contiguous(), min(qw.block[0], N),
-                           min(qw.block[1], K), out.view(L, N, K), threads)
+        mod.dequantize_fp8(*_fp8_args(qw), out.view(-1, N, K), threads)
         return out
     if qw.format == "fp8":
         return qw.data.float() * _expand_blocks(qw.scales.float(), qw.block, N, K)
@@ -360,16 +362,16 @@ def from_fp8(w_fp8, scale_inv, block=(128, 128), *, to: str | None = None,
                          f"{tuple(w_fp8.shape)} and block {(r, c)}")
     if not torch.isfinite(scale_inv).all():
         raise ValueError("from_fp8: scale_inv holds NaN or infinity")
-    # e4m3fn has no infinity and NaN is the byte pattern S.1111.111: found on the bytes, piece by piece
-    # (the fp32 copy of a whole layer's stack would be four times its size).
+    # e4m3fn has no infinity and NaN is the byte pattern S.1111.111: found on the bytes (natively on the CPU,
+    # elsewhere piece by piece: the fp32 copy of a whole layer's stack would be four times its size).
     raw = w_fp8.detach().reshape(-1, N, K).view(torch.uint8)
     if raw.device.type == "cpu":
         mod, threads = _native()
-        if mod.fp8_has_nan(raw.reshape(-1), threads):
-            raise ValueError("from_fp8: w_fp8 holds NaN")
-    for l0, l1, n0, n1 in (() if raw.device.type == "cpu" else _pieces(raw.shape[0], N, K, 1)):
-        if ((raw[l0:l1, n0:n1] & 0x7F) == 0x7F).any():
-            raise ValueError("from_fp8: w_fp8 holds NaN")
+        nan = mod.fp8_has_nan(raw.reshape(-1), threads)
+    else:
+        nan = any(((raw[l0:l1, n0:n1] & 0x7F) == 0x7F).any() for l0, l1, n0, n1 in _pieces(raw.shape[0], N, K, 1))
+    if nan:
+        raise ValueError("from_fp8: w_fp8 holds NaN")
     qw = QuantizedWeights("fp8", w_fp8.detach(), scale_inv.detach().float(), w_fp8.shape, block=(r, c))
     if to is None:
         return qw

@@ -182,9 +182,11 @@ class HybridMoE(torch.nn.Module):
                                  f"{G} experts' in sorted id order), got {got}")
         if not gpu:
             return
+        cpu = [e for e in range(self.num_experts) if e not in set(gpu)]
+        experts = self.experts.subset(cpu) if cpu else None  # first: if the copy fails, nothing has changed
         with torch.no_grad():
-            cpu = self._place(gpu, w13.detach(), w2.detach())
-            self.experts = self.experts.subset(cpu)
+            self._place(gpu, w13.detach(), w2.detach())  # refuses an empty cpu
+            self.experts = experts
             self.routing_counts.zero_()
         self._jobs = {}  # their buffers were made for the CPU experts before (queued runs are waited for)
 
