@@ -356,16 +356,9 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
 
   HMOE_DEF(m, fp8_has_nan, {
     const hb::TensorArg qa = hb::tensor(q, "q", hb::dtypes({hmoe::kU8}), 1, hb::Where::kCpu);
-    const int64_t per = int64_t(1) << 20;
-    std::atomic<bool> found{false};
-    hb::without_gil([&] {
-      hmoe::ThreadPool::instance().parallel_for(hmoe::ceil_div(qa.numel, per), num_threads, [&](int64_t t, int) {
-        const int64_t i0 = t * per, n = std::min(qa.numel, i0 + per) - i0;
-        if (hmoe::fp8_has_nan(static_cast<const uint8_t*>(qa.data) + i0, n))
-          found.store(true, std::memory_order_relaxed);
-      });
-    });
-    return found.load();
+    const auto* bytes = static_cast<const uint8_t*>(qa.data);
+    return !for_rows(qa.numel, 1, num_threads,
+                     [&](int64_t i0, int64_t i1) { return !hmoe::fp8_has_nan(bytes + i0, i1 - i0); });
   });
 
   // The packed weights of experts ids (int32 or int64, each in [0, E)) of packed weights of E experts, in
