@@ -201,8 +201,8 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
     if only is not None and not all(0 <= e < E for e in only):
         raise ValueError(f"load_experts: layer {layer} has {E} experts; asked for {list(only)}")
     chosen = range(E) if only is None else list(only)
-    bar = _bar(len(chosen), f"layer {layer} experts", progress)
-    E = len(chosen)
+    n = len(chosen)  # matrices in the stacks
+    bar = _bar(n, f"layer {layer} experts", progress)
     w13 = w2 = None
     for i, e in enumerate(chosen):
         # w13's rows in parts (gate, then up; or both fused), written into the stack with no concatenated copy
@@ -210,10 +210,12 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
         parts, b = get(e)
         if quant == "fp8" and len(parts) > 1:  # fp8's blocks of rows may span gate and up
             parts = [torch.cat(parts)]
+        starts = _starts(parts)
+        shape13 = (n, starts[-1] + parts[-1].shape[0], parts[0].shape[1])
         if quant is None:
             if w13 is None:
-                w13 = torch.empty((E, sum(len(p) for p in parts), parts[0].shape[1]), dtype=dtype)
-                w2 = torch.empty((E, *b.shape), dtype=dtype)
+                w13 = torch.empty(shape13, dtype=dtype)
+                w2 = torch.empty((n, *b.shape), dtype=dtype)
             # one cat into the stack: copying gate and up into their rows, straight from the mapped shards, made a
             # bf16 load_model of 9.6 GiB 3-5 s slower on an H200 machine's host
             torch.cat(parts, out=w13[i])
@@ -221,19 +223,18 @@ def _read_experts(names: dict, path: str, layer: int, quant, group_size, dtype, 
         elif quant == "fp8":  # group_size with fp8 (scaled per block) is quantize's error, not ignored
             qa, qb = (q.quantize(w, quant, group_size=group_size, block=fp8_block) for w in (parts[0], b))
             if w13 is None:
-                w13, w2 = _stack_like(qa, E), _stack_like(qb, E)
+                w13, w2 = _stack_like(qa, n), _stack_like(qb, n)
             for dst, src in ((w13, qa), (w2, qb)):
                 dst.data[i].copy_(src.data)
                 dst.scales[i].copy_(src.scales)
         else:  # int8 / int4, quantised row by row straight into the stacks (gate and up apart: the same bits)
             if w13 is None:
-                w13 = q._empty((E, sum(p.shape[0] for p in parts), parts[0].shape[1]), quant, group_size)
-                w2 = q._empty((E, *b.shape), quant, group_size)
-            for dst, r, w in [(w13, r, p) for r, p in zip(_starts(parts), parts)] + [(w2, 0, b)]:
+                w13, w2 = q._empty(shape13, quant, group_size), q._empty((n, *b.shape), quant, group_size)
+            for dst, r, w in [(w13, r, p) for r, p in zip(starts, parts)] + [(w2, 0, b)]:
                 if not isinstance(w, q.QuantizedWeights):  # fp8 ones: from_fp8 has checked their bytes
                     q._check_float(w, "load_experts")
-                n = w.shape[0]
-                rows = q.QuantizedWeights(quant, dst.data[i, r:r + n], dst.scales[i, r:r + n], w.shape,
+                r1 = r + w.shape[0]
+                rows = q.QuantizedWeights(quant, dst.data[i, r:r1], dst.scales[i, r:r1], w.shape,
                                           group_size=dst.group_size)
                 q._quantize_into(w, rows)
         if bar is not None:

@@ -110,9 +110,9 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     # took 18 s for DeepSeek-V3's 89k names)
     experts_of: dict = {}
     for k, f in names.items():
-        i = k.find(".mlp.experts.")
-        if i >= 0:
-            experts_of.setdefault(k[:i + len(".mlp.experts.")], {})[k] = f
+        at = k.find(".mlp.experts.")
+        if at >= 0:
+            experts_of.setdefault(k[:at + len(".mlp.experts.")], {})[k] = f
     reports, isa_name, placed = [], None, []
     for i, (name, moe) in enumerate(blocks):
         layer = _layer_of(name)
@@ -164,9 +164,7 @@ def _place_experts(model, placed, reports, gpu_experts, calibration, path, dtype
     """Moves gpu_experts (ids, or a count chosen after a forward on calibration) of every placed block to the
     device, their float weights read from the checkpoint again."""
     if not isinstance(gpu_experts, list):  # a count: the busiest experts of the loaded model on calibration
-        for _, _, hybrid, _ in placed:
-            hybrid.routing_counts.zero_()
-        _hf._calibrate(model, _to(calibration, device))
+        _hf._calibrate(model, _to(calibration, device))  # counted from zero: nothing ran since construction
     for (name, layer, hybrid, keys), report in zip(placed, reports):
         ids = (gpu_experts if isinstance(gpu_experts, list)
                else _resolve_gpu_experts(gpu_experts, hybrid.routing_counts, hybrid.num_experts))

@@ -55,7 +55,8 @@ class HybridMoE(torch.nn.Module):
     and run by the quantised kernels (their precision contract: hmoe.ops.experts); GPU-resident
     experts keep the original weights. w13 and w2 may also come quantised, as
     hmoe.quant.QuantizedWeights (hmoe.load_experts(..., quant=...) reads them so from a checkpoint,
-    expert by expert): the CPU experts take them as they are, and every routed expert is a CPU one.
+    expert by expert): the CPU experts take them as they are, and every routed expert is a CPU one
+    until keep_on_device moves some to the device with their float weights.
 
     The state dict holds the CPU experts as packed (experts.w13_packed, experts.w2_packed, uint8, and
     experts.layout): load_state_dict takes them from a module built with the same quant, group_size and
@@ -120,10 +121,11 @@ class HybridMoE(torch.nn.Module):
         gpu = _resolve_gpu_experts(gpu_experts, routing_counts, E)
         for name in ("cpu_index", "gpu_ids", "gpu_w13", "gpu_w2"):
             self.register_buffer(name, None)
+        cpu = _cpu_ids(gpu, E)
         with torch.no_grad():
             sel = torch.tensor(gpu, dtype=torch.long)
-            cpu = self._place(gpu, *((w.detach().index_select(0, sel.to(w.device)) for w in (w13, w2)) if gpu
-                                     else (None, None)))
+            self._place(gpu, cpu, *((w.detach().index_select(0, sel.to(w.device)) for w in (w13, w2)) if gpu
+                                    else (None, None)))
             if quantised[0]:
                 c13, c2 = w13, w2
             else:
@@ -140,14 +142,10 @@ class HybridMoE(torch.nn.Module):
         self._gate_f32, self._gate_key = None, None
         self._warned_grad = False
 
-    def _place(self, gpu: list, w13, w2) -> list:
+    def _place(self, gpu: list, cpu: list, w13, w2) -> None:
         """Sets the expert placement: experts `gpu` (sorted ids) computed on the module's device from their
-        float weights w13 [G, 2I, H] and w2 [G, H, I], the others on the CPU in id order; returns those."""
+        float weights w13 [G, 2I, H] and w2 [G, H, I], experts `cpu` (the others, _cpu_ids) on the CPU."""
         E, dev = self.num_experts, self.gate_weight.device
-        cpu = [e for e in range(E) if e not in set(gpu)]
-        if not cpu:
-            raise ValueError(f"HybridMoE: gpu_experts keeps all {E} experts on the GPU; leave at least one on the "
-                             "CPU (or use the model's own MoE block)")
         index = torch.full((E,), -1, dtype=torch.int32)
         index[cpu] = torch.arange(len(cpu), dtype=torch.int32)
         self.cpu_index = index.to(dev)
@@ -158,7 +156,6 @@ class HybridMoE(torch.nn.Module):
             # gpu_w2 is [G, H, I] (the state dict's shape) over memory laid out as [G, I, H], so that
             # _gpu_part reads it as one [G * I, H] matrix without a copy (.to() keeps such strides)
             self.gpu_w2 = w2.transpose(1, 2).contiguous().to(dev).transpose(1, 2)
-        return cpu
 
     def keep_on_device(self, gpu_experts, w13, w2) -> None:
         """Moves experts `gpu_experts` (ids, e.g. chosen from routing_counts after some tokens) from the CPU
@@ -182,10 +179,10 @@ class HybridMoE(torch.nn.Module):
                                  f"{G} experts' in sorted id order), got {got}")
         if not gpu:
             return
-        cpu = [e for e in range(self.num_experts) if e not in set(gpu)]
-        experts = self.experts.subset(cpu) if cpu else None  # first: if the copy fails, nothing has changed
+        cpu = _cpu_ids(gpu, self.num_experts)
+        experts = self.experts.subset(cpu)  # first: if the copy fails, nothing has changed
         with torch.no_grad():
-            self._place(gpu, w13.detach(), w2.detach())  # refuses an empty cpu
+            self._place(gpu, cpu, w13.detach(), w2.detach())
             self.experts = experts
             self.routing_counts.zero_()
         self._jobs = {}  # their buffers were made for the CPU experts before (queued runs are waited for)
@@ -413,6 +410,16 @@ class HybridMoE(torch.nn.Module):
         return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, top_k={self.top_k}, "
                 f"groups={self.n_group}/{self.topk_group}, scoring={self.scoring}, cpu={self.experts!r}, "
                 f"gpu_experts={G}")
+
+
+def _cpu_ids(gpu: list, E: int) -> list:
+    """The experts not in `gpu`, in id order; at least one must be left."""
+    on_device = set(gpu)
+    cpu = [e for e in range(E) if e not in on_device]
+    if not cpu:
+        raise ValueError(f"HybridMoE: gpu_experts keeps all {E} experts on the GPU; leave at least one on the "
+                         "CPU (or use the model's own MoE block)")
+    return cpu
 
 
 def _resolve_gpu_experts(gpu_experts, routing_counts, E: int) -> list:
