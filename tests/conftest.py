@@ -1,6 +1,7 @@
 """Shared pytest setup: GPU tests skip cleanly without a GPU or in a build without CUDA kernels; HMOE_*
-variables never leak in."""
+variables never leak in, and a test's hmoe.set_num_threads never leaks out."""
 import os
+import sys
 
 import pytest
 
@@ -37,3 +38,10 @@ def _clean_hmoe_env(monkeypatch):
     for k in list(os.environ):
         if k.startswith("HMOE_") and k != "HMOE_NUM_THREADS":
             monkeypatch.delenv(k, raising=False)
+    # set_num_threads(old) after a test's own count would pin the count, and a later test's HMOE_NUM_THREADS
+    # would go unread
+    before = getattr(sys.modules.get("hmoe._threads"), "_num_threads", None)
+    yield
+    threads = sys.modules.get("hmoe._threads")
+    if threads is not None:
+        threads._num_threads = before
