@@ -54,9 +54,13 @@ def main() -> int:
     enc = tok(prompts, return_tensors="pt", padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]
     t0 = time.perf_counter()
-    model = hn.load_model(opts.path, device=device, quant=None if opts.quant == "none" else opts.quant,
-                          gpu_experts=opts.gpu_experts or None,
-                          calibration={"input_ids": ids, "attention_mask": mask} if opts.gpu_experts else None)
+    try:
+        model = hn.load_model(opts.path, device=device, quant=None if opts.quant == "none" else opts.quant,
+                              gpu_experts=opts.gpu_experts or None,
+                              calibration={"input_ids": ids, "attention_mask": mask} if opts.gpu_experts else None)
+    except MemoryError as e:  # counted before anything is read: the sizes, and the formats that take less
+        print(e, file=sys.stderr)
+        return 2
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
     dec = hn.GraphDecoder(model, batch_size=len(prompts), max_cache_len=ids.shape[1] + opts.max_new_tokens + 1,
                           capture=device.type == "cuda")

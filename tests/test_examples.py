@@ -56,6 +56,7 @@ def test_checkpoint_example_generates_a_padded_batch_on_the_cpu(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "hmoe.nn.load_model: swapped 2 MoE blocks" in out.stderr and "bfloat16 as int8" in out.stderr
+    assert re.search(r"load_model: routed experts [\d.]+ KiB packed as int8 on the CPU", out.stderr), out.stderr[-3000:]
     assert len(re.findall(r"mlp: experts \[\d+, \d+\] onto cpu", out.stderr)) == 2, out.stderr[-3000:]
     texts = re.findall(r"--- '([^']*)'\n(.*)\n", out.stdout)
     assert [t for t, _ in texts] == ["w1 w2 w3 w4", "w7"], out.stdout

@@ -75,9 +75,7 @@ class QuantizedWeights:
         """k per group in hmoe's CPU kernels: the group size; for int8 per row the whole row (K
         rounded up to a multiple of 128: one activation scale a row, one scaling of each dot
         product); fp8's block columns."""
-        if self.format == "fp8":
-            return self.block[1]
-        return self.group_size or -(-self.shape[-1] // 128) * 128
+        return _kernel_group(self.format, self.shape[-1], self.group_size, self.block)
 
     def dequantize(self):
         return dequantize(self)
@@ -149,6 +147,13 @@ def _finite_f32(piece, what: str):
     if not torch.isfinite(wf).all():
         raise ValueError(f"{what}: the weights hold NaN or infinity; they cannot be quantised")
     return wf
+
+
+def _kernel_group(fmt: str, K: int, group_size, block) -> int:
+    """QuantizedWeights.kernel_group of weights with K columns (group_size as stored: None for int8 per row)."""
+    if fmt == "fp8":
+        return block[1]
+    return group_size or -(-K // 128) * 128
 
 
 def _group(fmt: str, K: int, group_size):

@@ -104,6 +104,86 @@ def test_gpu_experts_refused_before_anything_is_read(tmp_path):
                           progress=False)
 
 
+def _other_bytes(path):
+    """The bytes of the model's tensors other than the routed experts (from_pretrained's state dict)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    seen, other = set(), 0
+    for name, t in ref.state_dict().items():
+        if ".mlp.experts." not in name and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            other += t.numel() * t.element_size()
+    return other
+
+
+def _host_bytes(path, **load):
+    """What a load onto the CPU holds at its peak, counted from a finished load: every CPU expert packed, the
+    largest block's experts once more (read, beside their packed copy), and the model's other tensors."""
+    got = hn.load_model(path, device="cpu", progress=False, **load)
+    packed = [b.packed_bytes for b in got.hmoe_report.blocks]
+    return sum(packed) + max(packed) + _other_bytes(path)
+
+
+@pytest.mark.parametrize("load", [{}, {"quant": "int8"}, {"quant": "int4", "group_size": 32}, {"quant": "fp8"}])
+def test_memory_checked_before_anything_is_read(load, tmp_path, monkeypatch, capsys):
+    # the count is exact: the host's available memory at the count loads, one byte less is a MemoryError that
+    # comes before any expert is read
+    from hmoe import checkpoint
+    from hmoe.hardware import cpu
+
+    _saved(tmp_path, "v3")
+    need = _host_bytes(str(tmp_path), **load)
+    monkeypatch.setattr(cpu, "mem_available_bytes", lambda: need)
+    got = hn.load_model(str(tmp_path), device="cpu", **load)
+    fmt = load.get("quant", "bfloat16")
+    assert f"packed as {fmt} on the CPU" in capsys.readouterr().err
+    assert got.hmoe_report.blocks[0].format == {"bfloat16": "bf16"}.get(fmt, fmt)
+    monkeypatch.setattr(cpu, "mem_available_bytes", lambda: need - 1)
+
+    def read(*a, **k):
+        raise AssertionError("an expert was read")
+
+    monkeypatch.setattr(checkpoint, "_read_experts", read)
+    with pytest.raises(MemoryError, match=rf"not enough host memory .* packed as {fmt} \(2 MoE blocks;.* "
+                                          r"check_memory=False to load anyway"):
+        hn.load_model(str(tmp_path), device="cpu", progress=False, **load)
+    with pytest.raises(AssertionError, match="an expert was read"):  # the check alone stood in the way
+        hn.load_model(str(tmp_path), device="cpu", progress=False, check_memory=False, **load)
+
+
+def test_memory_error_names_the_formats_that_would_take_less(tmp_path, monkeypatch):
+    from hmoe.hardware import cpu
+
+    _saved(tmp_path, "v3", hidden_size=128, moe_intermediate_size=128)  # int4 in groups of 128 fits these experts
+    monkeypatch.setattr(cpu, "mem_available_bytes", lambda: 1000)
+    with pytest.raises(MemoryError) as e:
+        hn.load_model(str(tmp_path), device="cpu", progress=False)
+    assert re.search(r"would take as int8 \(per row\) [\d.]+ [KM]iB, as int4 \(groups of 128\) [\d.]+ [KM]iB "
+                     r"\(quant=\)", str(e.value))
+    _saved(tmp_path / "small", "v3")  # H = 64, I = 32: int4 in groups of 128 cannot take them, and is not offered
+    with pytest.raises(MemoryError, match=r"would take as int8 \(per row\) [\d.]+ [KM]iB \(quant=\); or pass"):
+        hn.load_model(str(tmp_path / "small"), device="cpu", progress=False)
+
+
+@pytest.mark.gpu
+def test_device_memory_checked_before_anything_is_read(tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from hmoe import checkpoint
+
+    _saved(tmp_path, "v3")
+    cfg = models.v3_config()
+    kept = 2 * 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # 2 blocks x 2 experts, bf16
+    need = _other_bytes(str(tmp_path)) + kept
+    total = torch.cuda.mem_get_info()[1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, total))
+    got = hn.load_model(str(tmp_path), gpu_experts=[0, 3], progress=False)
+    assert all(b.gpu_w13.is_cuda for b in got.modules() if isinstance(b, hn.HybridMoE))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, total))
+    monkeypatch.setattr(checkpoint, "_read_experts", lambda *a, **k: pytest.fail("an expert was read"))
+    with pytest.raises(MemoryError, match=r"not enough memory on cuda:0 .* the 2 experts a block kept there"):
+        hn.load_model(str(tmp_path), gpu_experts=[0, 3], progress=False)
+
+
 def _fp8_checkpoint(tmp_path):
     """The small V3 model written as DeepSeek-V3 ships: every linear (attention, dense and shared MLPs,
     each routed expert) float8_e4m3fn with fp32 weight_scale_inv per 128 x 128 block; embeddings, norms,

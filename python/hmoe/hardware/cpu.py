@@ -1,8 +1,10 @@
-"""CPU detection: raw CPUID/XCR0/auxv from the baseline native module, read against arch/cpu.json."""
+"""CPU detection (raw CPUID/XCR0/auxv from the baseline native module, read against arch/cpu.json) and the
+host's memory."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import platform
 import struct
 
@@ -101,3 +103,26 @@ def simulated(level_name: str, proc: str | None = None) -> CpuInfo:
     xcr0 = sum(1 << bits[b] for b in req.get("xcr0", []))
     perm = "granted" if req.get("permission") else None
     return CpuInfo(proc, "simulated", f"simulated {level_name}", feats, xcr0, perm, True)
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # non-Linux fallback: free pages are a lower bound of what is available
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def mem_total_bytes() -> int:
+    """Physical memory, bytes; 0 if unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -16,8 +16,13 @@ import sys
 import torch
 
 from .. import checkpoint
+from .. import quant as _quant
+from .._dtypes import code
+from ..hardware import cpu as _cpu
+from ..ops import experts as _experts
 from ..validation import is_int
 from . import _hf
+from .experts import _format_code
 from .hybrid import _resolve_gpu_experts
 
 WHO = "hmoe.nn.load_model"
@@ -26,7 +31,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | None = None,
                group_size: int | None = None, gpu_experts=None, calibration=None, isa: str | None = None,
-               fuse_norms: bool = True, progress: bool = True):
+               fuse_norms: bool = True, check_memory: bool = True, progress: bool = True):
     """A transformers DeepSeek-V2/V3 causal LM (eval mode) from the checkpoint directory `path` (its
     config.json and safetensors shards), patched as hmoe.nn.patch_model patches one: every MoE block a
     HybridMoE with its routed experts on the CPU, read from the checkpoint one expert at a time (quant
@@ -42,6 +47,13 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     model (every expert still on the CPU) on `calibration` (input ids, or a dict of model inputs; tensors are
     moved to `device`). Those experts are read from the checkpoint again, in `dtype`, onto `device`
     (HybridMoE.keep_on_device); the CPU experts keep the others, quantised or not as `quant` says.
+
+    check_memory: before anything is read, the bytes the load will hold are counted from the config (the CPU
+    experts' packed size in their format, one MoE block's more while it is read and packed; with device="cpu"
+    the other tensors too; on a CUDA device the other tensors and the experts kept there) and a MemoryError
+    names them, with the size of the experts in the other formats, when they exceed the host's available
+    memory (Linux MemAvailable) or the device's free memory. False skips the check (swap, or memory that will
+    be freed meanwhile).
     """
     import transformers
 
@@ -106,6 +118,9 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     if len(fixed) >= E or count and gpu_experts >= E:
         raise ValueError(f"{WHO}: gpu_experts keeps all {E} experts of a block on {device}; leave at least one on "
                          "the CPU")
+    if check_memory:
+        _check_memory(path, model, blocks, quant, group_size, dtype, block, isa,
+                      gpu_experts if count else len(fixed), device, progress)
     # each layer's expert tensors, indexed in one pass over the names (a scan of them all for every layer
     # took 18 s for DeepSeek-V3's 89k names)
     experts_of: dict = {}
@@ -158,6 +173,73 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     if progress:
         print(report, file=sys.stderr, flush=True)
     return model
+
+
+def _expert_bytes(quant, group_size, dtype, block, H: int, I: int, mod) -> int:
+    """One expert's packed bytes (w13 and w2, scales included) in the CPU experts' format."""
+    if quant is None:
+        fcode, g13, g2 = code(dtype), 0, 0
+    else:
+        gs = [None if quant == "fp8" else _quant._group(quant, K, group_size) for K in (H, I)]
+        fcode = _format_code(quant)
+        g13, g2 = (_quant._kernel_group(quant, K, g, block) for K, g in zip((H, I), gs))
+    b13, b2 = mod.packed_bytes(fcode, H, I, g13, g2)
+    return b13 + b2
+
+
+def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, device, progress) -> None:
+    """The MemoryError of load_model's check_memory (see there), or a line on what the load will take."""
+    mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any read
+    shapes = []  # per MoE block: (E, H, I)
+    for _, moe in blocks:
+        w13, w2 = _hf.expert_weights(moe.experts)  # meta tensors: shapes only
+        shapes.append((w13.shape[0], w13.shape[2], w2.shape[2]))
+    try:
+        per = [_expert_bytes(quant, group_size, dtype, block, H, I, mod) for _, H, I in shapes]
+    except ValueError:
+        return  # a format the kernels do not take (fp8 blocks of other widths): the load says so in its words
+    # every block's experts are packed on the CPU before gpu_experts leave it (a count is chosen with them all)
+    experts = sum(E * b for (E, _, _), b in zip(shapes, per))
+    held = max(E * b for (E, _, _), b in zip(shapes, per))  # a block's stacks beside their packed copy
+    routed = {id(t) for _, moe in blocks for t in moe.experts.parameters()}
+    tensors = list(model.parameters()) + [b for _, b in _persistent_buffers(model)]
+    other = sum(t.numel() * t.element_size() for t in tensors if id(t) not in routed)
+    gpu = sum(n_gpu * 3 * H * I for _, H, I in shapes) * dtype.itemsize
+    host = experts + held + (other + gpu if device.type == "cpu" else 0)
+    avail = _cpu.mem_available_bytes()
+    dname = str(dtype).replace("torch.", "")
+    fmt, size = quant or dname, _hf._size
+    if avail and host > avail:
+        alt = []
+        for q, name in ((None, "in " + dname), ("int8", "as int8 (per row)"), ("int4", "as int4 (groups of 128)")):
+            try:
+                if q != quant:
+                    b = sum(E * _expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes)
+                    alt.append(f"{name} {size(b)}")
+            except ValueError:  # shapes the format cannot take (int4 groups of 128 need K a multiple of 128)
+                pass
+        on = f", and the model's other tensors {size(other + gpu)}" if device.type == "cpu" else ""
+        raise MemoryError(
+            f"{WHO}: not enough host memory for {path!r}: its routed experts take {size(experts)} packed as {fmt} "
+            f"({len(blocks)} MoE blocks; {size(per[0])} an expert), {size(held)} more while a block is read{on}: "
+            f"{size(host)} in all, and the host has {size(avail)} available (MemAvailable). "
+            + (f"The experts would take {', '.join(alt)} (quant=); or pass" if alt else "Pass")
+            + " check_memory=False to load anyway")
+    line = f"{WHO}: routed experts {size(experts)} packed as {fmt} on the CPU (+{size(held)} while a block is read"
+    line += f"; {size(avail)} available)" if avail else ")"
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        free, _ = torch.cuda.mem_get_info(device)
+        if other + gpu > free:
+            kept = f", the {n_gpu} experts a block kept there {size(gpu)}" if gpu else ""
+            raise MemoryError(
+                f"{WHO}: not enough memory on {device} for {path!r}: the model's tensors other than the routed "
+                f"experts take {size(other)}{kept}, and {size(free)} of it is free; free some, keep fewer experts "
+                "there (gpu_experts=), or pass check_memory=False to load anyway")
+        line += f"; {size(other + gpu)} onto {device} ({size(free)} free)"
+    if progress:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _place_experts(model, placed, reports, gpu_experts, calibration, path, dtype, device, block, progress) -> None:
