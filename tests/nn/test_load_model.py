@@ -104,23 +104,28 @@ def test_gpu_experts_refused_before_anything_is_read(tmp_path):
                           progress=False)
 
 
-def _other_bytes(path):
-    """The bytes of the model's tensors other than the routed experts (from_pretrained's state dict)."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    seen, other = set(), 0
-    for name, t in ref.state_dict().items():
-        if ".mlp.experts." not in name and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            other += t.numel() * t.element_size()
-    return other
+def _load_counted(path, monkeypatch, **load):
+    """load_model, and the bytes of the tensors other than the routed experts that it read into the model."""
+    from hmoe.nn import _load
+
+    placed, real = [], _load._set
+
+    def record(module, name, t):  # once a tensor (a tied one is not set again)
+        placed.append(t.numel() * t.element_size())
+        real(module, name, t)
+
+    monkeypatch.setattr(_load, "_set", record)
+    got = hn.load_model(path, progress=False, **load)
+    monkeypatch.setattr(_load, "_set", real)
+    return got, sum(placed)
 
 
-def _host_bytes(path, **load):
+def _host_bytes(path, monkeypatch, **load):
     """What a load onto the CPU holds at its peak, counted from a finished load: every CPU expert packed, the
     largest block's experts once more (read, beside their packed copy), and the model's other tensors."""
-    got = hn.load_model(path, device="cpu", progress=False, **load)
+    got, other = _load_counted(path, monkeypatch, device="cpu", **load)
     packed = [b.packed_bytes for b in got.hmoe_report.blocks]
-    return sum(packed) + max(packed) + _other_bytes(path)
+    return sum(packed) + max(packed) + other
 
 
 @pytest.mark.parametrize("load", [{}, {"quant": "int8"}, {"quant": "int4", "group_size": 32}, {"quant": "fp8"}])
@@ -131,7 +136,7 @@ def test_memory_checked_before_anything_is_read(load, tmp_path, monkeypatch, cap
     from hmoe.hardware import cpu
 
     _saved(tmp_path, "v3")
-    need = _host_bytes(str(tmp_path), **load)
+    need = _host_bytes(str(tmp_path), monkeypatch, **load)
     monkeypatch.setattr(cpu, "mem_available_bytes", lambda: need)
     got = hn.load_model(str(tmp_path), device="cpu", **load)
     fmt = load.get("quant", "bfloat16")
@@ -173,7 +178,7 @@ def test_device_memory_checked_before_anything_is_read(tmp_path, monkeypatch):
     _saved(tmp_path, "v3")
     cfg = models.v3_config()
     kept = 2 * 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # 2 blocks x 2 experts, bf16
-    need = _other_bytes(str(tmp_path)) + kept
+    need = _load_counted(str(tmp_path), monkeypatch)[1] + kept
     total = torch.cuda.mem_get_info()[1]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, total))
     got = hn.load_model(str(tmp_path), gpu_experts=[0, 3], progress=False)
