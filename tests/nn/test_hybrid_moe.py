@@ -359,6 +359,23 @@ def test_patch_frees_the_original_routed_weights():
     assert report.freed_bytes == 2 * (16 * 2 * 32 * 64 + 16 * 64 * 32) * 4
 
 
+def test_patch_model_checks_host_memory_before_the_first_swap(monkeypatch):
+    from hmoe.hardware import cpu
+    from hmoe.nn import _hf
+
+    m = models.model("v3", torch.bfloat16)
+    monkeypatch.setattr(cpu, "mem_available_bytes", lambda: 1000)
+    with pytest.raises(MemoryError, match=r"patch_model: not enough host memory: the CPU experts take .* packed as "
+                                          r"int8 \(2 MoE blocks\), .* at the swap's peak .* available \(MemAvailable\)\. "
+                                          r"The experts would take in bfloat16 .* \(quant=\); or pass check_memory=False"
+                       ) as e:
+        hn.patch_model(m, quant="int8", progress=False)
+    assert not any(isinstance(b, hn.HybridMoE) for b in m.modules())  # refused before the first block
+    report = hn.patch_model(m, quant="int8", check_memory=False, progress=False)
+    assert report.swapped == 2
+    assert f"take {_hf._size(sum(b.packed_bytes for b in report.blocks))} packed" in str(e.value)
+
+
 def test_constructor_errors():
     E, H, inter = 8, 16, 8
     g, w13, w2 = torch.randn(E, H), torch.randn(E, 2 * inter, H), torch.randn(E, H, inter)

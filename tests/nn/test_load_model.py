@@ -149,7 +149,7 @@ def test_memory_checked_before_anything_is_read(load, tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(checkpoint, "_read_experts", read)
     with pytest.raises(MemoryError, match=rf"not enough host memory .* packed as {fmt} \(2 MoE blocks;.* "
-                                          r"check_memory=False to load anyway"):
+                                          r"check_memory=False to go ahead anyway"):
         hn.load_model(str(tmp_path), device="cpu", progress=False, **load)
     with pytest.raises(AssertionError, match="an expert was read"):  # the check alone stood in the way
         hn.load_model(str(tmp_path), device="cpu", progress=False, check_memory=False, **load)

@@ -7,6 +7,10 @@ import warnings
 
 import torch
 
+from .. import quant as _quant
+from .._dtypes import code
+from ..hardware import cpu as _cpu
+from ..ops import experts as _experts
 from ..ops import norm
 from ..validation import is_int
 
@@ -224,6 +228,69 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _expert_bytes(quant, group_size, dtype, block, H: int, I: int, mod) -> int:
+    """One expert's packed bytes (w13 and w2, scales included) in the CPU experts' format: quant None keeps
+    the float dtype; fp8 in `block`s (rows, columns)."""
+    from .experts import _format_code
+
+    if quant is None:
+        fcode, g13, g2 = code(dtype), 0, 0
+    else:
+        gs = [None if quant == "fp8" else _quant._group(quant, K, group_size) for K in (H, I)]
+        fcode = _format_code(quant)
+        g13, g2 = (_quant._kernel_group(quant, K, g, block) for K, g in zip((H, I), gs))
+    b13, b2 = mod.packed_bytes(fcode, H, I, g13, g2)
+    return b13 + b2
+
+
+def _host_memory_error(what: str, avail: int, quant, dtype, block, shapes, mod) -> MemoryError:
+    """check_memory's MemoryError: `what` the load or swap needs, the host's available bytes, and the size of
+    the CPU experts (shapes: per block (experts, H, I)) in the other formats."""
+    alt = []
+    for q, name in ((None, "in " + str(dtype).replace("torch.", "")), ("int8", "as int8 (per row)"),
+                    ("int4", "as int4 (groups of 128)")):
+        try:
+            if q != quant:
+                b = sum(E * _expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes)
+                alt.append(f"{name} {_size(b)}")
+        except ValueError:  # shapes the format cannot take (int4 groups of 128 need K a multiple of 128)
+            pass
+    return MemoryError(f"{what}, and the host has {_size(avail)} available (MemAvailable). "
+                       + (f"The experts would take {', '.join(alt)} (quant=); or pass" if alt else "Pass")
+                       + " check_memory=False to go ahead anyway")
+
+
+def _check_swap_memory(blocks, gpu_experts, isa, quant, group_size) -> None:
+    """patch_model's check_memory: the host bytes its swap needs at most (per block, in order: the CPU experts'
+    float copy on the host and the quantised stack beside their packed copy, then the originals freed where
+    they were on the CPU), against MemAvailable."""
+    mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any copy
+    shapes, total, peak, packed_all = [], 0, 0, 0
+    for _, block in blocks:
+        w13, w2 = expert_weights(block.experts)
+        E, H, inter = w13.shape[0], w13.shape[2], w2.shape[2]
+        if isinstance(gpu_experts, (list, tuple, torch.Tensor)):
+            G = len(gpu_experts)
+        else:  # a count, or None (a bad value is refused by HybridMoE with its reason)
+            G = int(gpu_experts) if is_int(gpu_experts) and 0 < gpu_experts < E else 0
+        try:
+            packed = (E - G) * _expert_bytes(quant, group_size, w13.dtype, (128, 128), H, inter, mod)
+        except ValueError:
+            return  # a group size or shape the format cannot take: HybridMoE says so in its words
+        copy = (E - G) * 3 * H * inter * w13.element_size()
+        peak = max(peak, total + copy + (packed if quant else 0) + packed)
+        total += packed - (E * 3 * H * inter * w13.element_size() if w13.device.type == "cpu" else 0)
+        shapes.append((E - G, H, inter))
+        packed_all += packed
+    avail = _cpu.mem_available_bytes()
+    if avail and peak > avail:
+        fmt = quant or str(w13.dtype).replace("torch.", "")
+        raise _host_memory_error(
+            f"hmoe.nn.patch_model: not enough host memory: the CPU experts take {_size(packed_all)} packed as {fmt} "
+            f"({len(blocks)} MoE blocks), {_size(peak)} at the swap's peak (a block's experts copied to the host "
+            "and packed before the originals are freed)", avail, quant, w13.dtype, (128, 128), shapes, mod)
+
+
 def _check_calibration(calibration, who: str) -> None:
     if isinstance(calibration, torch.Tensor):
         if calibration.is_floating_point() or calibration.is_complex() or calibration.numel() == 0:
@@ -284,7 +351,8 @@ def _progress(iterable, total: int, enabled: bool):
 
 
 def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = None, quant: str | None = None,
-                group_size: int | None = None, fuse_norms: bool = True, progress: bool = True) -> PatchReport:
+                group_size: int | None = None, fuse_norms: bool = True, check_memory: bool = True,
+                progress: bool = True) -> PatchReport:
     """Swaps every DeepSeek-V2/V3 MoE block of `model` for a HybridMoE in place (router and shared
     experts stay where they are; routed expert weights go to host memory, packed for this CPU, and
     their copies on the model's device are freed). Returns a PatchReport (print it).
@@ -297,7 +365,9 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     scaling in one kernel: between two layers' CPU experts the GPU's serial work is dozens of small
     kernels). A model without DeepSeek MoE blocks is a ValueError (other MoE families, e.g. Mixtral or
     Qwen-MoE, route differently: experts_implementation="hmoe" runs their experts); a model patched before
-    gives a report saying so.
+    gives a report saying so. check_memory: before the first block is swapped, a MemoryError (with the
+    sizes, and the experts' in the other formats) when the host's available memory (Linux MemAvailable)
+    cannot hold the packed CPU experts at the swap's peak; False skips it.
     """
     from .hybrid import HybridMoE
 
@@ -320,6 +390,8 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
             raise ValueError("hmoe.nn.patch_model: gpu_experts as a count is chosen from routing statistics: pass "
                              "calibration= (input ids or a dict of model inputs), or give expert ids")
         counts = _count_routing(model, blocks, calibration)
+    if check_memory:
+        _check_swap_memory(blocks, gpu_experts, isa, quant, group_size)
     reports, freed, isa_name, device = [], 0, None, "-"
     for name, block in _progress(blocks, len(blocks), progress):
         w13, w2 = expert_weights(block.experts)

@@ -16,13 +16,10 @@ import sys
 import torch
 
 from .. import checkpoint
-from .. import quant as _quant
-from .._dtypes import code
 from ..hardware import cpu as _cpu
 from ..ops import experts as _experts
 from ..validation import is_int
 from . import _hf
-from .experts import _format_code
 from .hybrid import _resolve_gpu_experts
 
 WHO = "hmoe.nn.load_model"
@@ -175,18 +172,6 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     return model
 
 
-def _expert_bytes(quant, group_size, dtype, block, H: int, I: int, mod) -> int:
-    """One expert's packed bytes (w13 and w2, scales included) in the CPU experts' format."""
-    if quant is None:
-        fcode, g13, g2 = code(dtype), 0, 0
-    else:
-        gs = [None if quant == "fp8" else _quant._group(quant, K, group_size) for K in (H, I)]
-        fcode = _format_code(quant)
-        g13, g2 = (_quant._kernel_group(quant, K, g, block) for K, g in zip((H, I), gs))
-    b13, b2 = mod.packed_bytes(fcode, H, I, g13, g2)
-    return b13 + b2
-
-
 def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, device, progress) -> None:
     """The MemoryError of load_model's check_memory (see there), or a line on what the load will take."""
     mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any read
@@ -195,7 +180,7 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
         w13, w2 = _hf.expert_weights(moe.experts)  # meta tensors: shapes only
         shapes.append((w13.shape[0], w13.shape[2], w2.shape[2]))
     try:
-        per = [_expert_bytes(quant, group_size, dtype, block, H, I, mod) for _, H, I in shapes]
+        per = [_hf._expert_bytes(quant, group_size, dtype, block, H, I, mod) for _, H, I in shapes]
     except ValueError:
         return  # a format the kernels do not take (fp8 blocks of other widths): the load says so in its words
     # every block's experts are packed on the CPU before gpu_experts leave it (a count is chosen with them all)
@@ -207,24 +192,13 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
     gpu = sum(n_gpu * 3 * H * I for _, H, I in shapes) * dtype.itemsize
     host = experts + held + (other + gpu if device.type == "cpu" else 0)
     avail = _cpu.mem_available_bytes()
-    dname = str(dtype).replace("torch.", "")
-    fmt, size = quant or dname, _hf._size
+    fmt, size = quant or str(dtype).replace("torch.", ""), _hf._size
     if avail and host > avail:
-        alt = []
-        for q, name in ((None, "in " + dname), ("int8", "as int8 (per row)"), ("int4", "as int4 (groups of 128)")):
-            try:
-                if q != quant:
-                    b = sum(E * _expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes)
-                    alt.append(f"{name} {size(b)}")
-            except ValueError:  # shapes the format cannot take (int4 groups of 128 need K a multiple of 128)
-                pass
         on = f", and the model's other tensors {size(other + gpu)}" if device.type == "cpu" else ""
-        raise MemoryError(
+        raise _hf._host_memory_error(
             f"{WHO}: not enough host memory for {path!r}: its routed experts take {size(experts)} packed as {fmt} "
             f"({len(blocks)} MoE blocks; {size(per[0])} an expert), {size(held)} more while a block is read{on}: "
-            f"{size(host)} in all, and the host has {size(avail)} available (MemAvailable). "
-            + (f"The experts would take {', '.join(alt)} (quant=); or pass" if alt else "Pass")
-            + " check_memory=False to load anyway")
+            f"{size(host)} in all", avail, quant, dtype, block, shapes, mod)
     line = f"{WHO}: routed experts {size(experts)} packed as {fmt} on the CPU (+{size(held)} while a block is read"
     line += f"; {size(avail)} available)" if avail else ")"
     if device.type == "cuda":
@@ -236,7 +210,7 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
             raise MemoryError(
                 f"{WHO}: not enough memory on {device} for {path!r}: the model's tensors other than the routed "
                 f"experts take {size(other)}{kept}, and {size(free)} of it is free; free some, keep fewer experts "
-                "there (gpu_experts=), or pass check_memory=False to load anyway")
+                "there (gpu_experts=), or pass check_memory=False to go ahead anyway")
         line += f"; {size(other + gpu)} onto {device} ({size(free)} free)"
     if progress:
         print(line, file=sys.stderr, flush=True)
