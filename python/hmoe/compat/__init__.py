@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--mla-shape", metavar="BxSxH[:PAGE]", action="append", type=_shape_arg, default=[],
                    help="show the plan mla_decode follows for this shape (batch x sequence length x heads, "
                         "page size default 64) on each CUDA device; repeatable")
+    c.add_argument("--model", metavar="PATH", default=None,
+                   help="a DeepSeek-V2/V3 checkpoint directory (its config.json is enough): the memory "
+                        "hmoe.nn.load_model would need for it in each CPU-experts format, against this host's "
+                        "available memory and each GPU's free memory (counted in a child process; needs transformers)")
     c.add_argument("--selftest", action="store_true",
                    help="run each selected variant once on small random inputs against a reference")
     c.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -119,7 +123,7 @@ def check(argv=None, *, stdout=None) -> int:
             return 2
     try:
         rep = report(simulate_gpu=args.simulate_gpu, simulate_cpu=args.simulate_cpu,
-                     selftest=args.selftest, mla_shapes=args.mla_shape)
+                     selftest=args.selftest, mla_shapes=args.mla_shape, model=args.model)
         if args.json:
             text = json.dumps(rep, indent=2, default=str) + "\n"
         else:

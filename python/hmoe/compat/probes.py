@@ -176,6 +176,30 @@ sys.stdout.write("\n" + json.dumps(out))
 """
 
 
+_MODEL_CHILD = r"""
+import json, sys
+try:
+    from hmoe.nn._load import memory_needs
+    out = memory_needs(sys.argv[1])
+except Exception as e:  # a path that is no DeepSeek checkpoint, transformers missing: said in the report
+    out = {"path": sys.argv[1], "error": f"{type(e).__name__}: {e}"}
+sys.stdout.write("\n" + json.dumps(out))
+"""
+
+
+class ModelProbe:
+    """--model: what hmoe.nn.load_model(path) would hold (hmoe.nn._load.memory_needs), from the checkpoint's
+    config.json, counted in a child (it imports torch and transformers; the check itself does not)."""
+
+    def __init__(self, path: str, timeout: float = 120.0, python: str | None = None):
+        self.path = path
+        self.child = Child(_MODEL_CHILD, timeout_s(timeout), python, (path,))
+
+    def result(self) -> dict:
+        data, why = self.child.result()
+        return data if data is not None else {"path": self.path, "error": f"counting it {why}"}
+
+
 class NvmlProbe:
     """NVML asked in a child: a truncated libnvidia-ml or a driver that never answers costs this
     check a line, not the process."""

@@ -3,6 +3,7 @@ colour only when asked (stdout is a terminal and NO_COLOR is unset)."""
 from __future__ import annotations
 
 from .._build_info import module_name
+from .._units import size_text
 
 _COLOURS = {"ok": "32", "error": "31", "warning": "33", "head": "1"}
 
@@ -143,6 +144,28 @@ def _selections(rows, out, colour):
                        f"{r['reason']}{sim}")
 
 
+def _model(m: dict, out: list) -> None:
+    if m.get("error") is not None:
+        out.append(f"  {m['path']}: {m['error']}")
+        return
+    out.append(f"  {m['path']}: {m['model_type']}, {m['moe_blocks']} MoE blocks of {m['experts']} routed experts "
+               f"(hidden {m['hidden_size']}, intermediate {m['intermediate_size']}), {m['dtype']}")
+    avail = m["host_available_bytes"]
+    out.append(f"  routed experts on the CPU, packed (+ one block's more while it is read); host available: "
+               f"{size_text(avail) if avail else 'unknown'}")
+    for name, f in m["formats"].items():
+        if f is None:
+            out.append(f"    {name:9s} the kernels cannot take these shapes")
+            continue
+        verdict = "" if f.get("fits") is None else ("  fits" if f["fits"] else "  does not fit")
+        out.append(f"    {name:9s} {size_text(f['experts_bytes'])} (+ {size_text(f['block_bytes'])}){verdict}")
+    out.append(f"  other tensors (attention, shared experts, embeddings: load_model's device): {size_text(m['other_bytes'])}; "
+               f"one expert kept on a GPU (gpu_experts=): {size_text(m['expert_float_bytes'])} a block")
+    for d in m["devices"]:
+        out.append(f"    {d['device']}: {size_text(d['free_bytes'])} free of {size_text(d['total_bytes'])}"
+                   f"{'  fits' if d['fits_other'] else '  does not fit'}")
+
+
 def render(rep: dict, colour: bool = False) -> str:
     """The report as text, one section per heading."""
     out = []
@@ -177,6 +200,12 @@ def render(rep: dict, colour: bool = False) -> str:
             runs = f"{r['variant']} ({r['reason']}): " if r.get("variant") else \
                 (f"{r['reason']}: " if r.get("reason") else "")
             out.append(f"  {r['device']}  {r['shape']}: {runs}{r['plan'] or 'no plan: ' + str(r['error'])}")
+    if rep.get("model") is not None:
+        head("model: what hmoe.nn.load_model would hold (--model)")
+        try:
+            _model(rep["model"], out)
+        except Exception as e:  # a surprise in the data must not hide the other sections
+            out.append(f"  (could not render this section: {type(e).__name__}: {e})")
     if rep.get("selftests") is not None:
         head("self-tests")
         for r in rep["selftests"]:

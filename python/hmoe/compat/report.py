@@ -337,15 +337,54 @@ def _loadable(manifest, real_cpu) -> list[str]:
     return names + sorted({module_name(e) for e in manifest.get("cuda_kernels", {}).values()})
 
 
+_MODEL_KEYS = ("path", "model_type", "dtype", "moe_blocks", "experts", "hidden_size", "intermediate_size",
+               "fp8_block", "formats", "other_bytes", "expert_float_bytes", "host_available_bytes", "devices")
+
+
+def _model_section(data: dict, problems) -> dict:
+    """--model's section: memory_needs' counts with what fits where (a format fits the host when its packed
+    experts and one block's more are available; the other tensors fit a device whose free memory holds them),
+    or the error that stopped the count. A model no format fits is an error, other tensors no GPU holds a
+    warning (load_model(device="cpu") remains)."""
+    sec = {k: data.get(k) for k in _MODEL_KEYS}
+    sec["path"], sec["error"] = data.get("path"), data.get("error")
+    if sec["error"] is not None:
+        problems.add("error", f"--model {sec['path']}: {sec['error']}",
+                     "point --model at a DeepSeek-V2/V3 checkpoint directory (its config.json is enough) with "
+                     "transformers installed")
+        return sec
+    avail = sec["host_available_bytes"]
+    for f in sec["formats"].values():
+        if f is not None:
+            f["fits"] = None if not avail else f["experts_bytes"] + f["block_bytes"] <= avail
+    for d in sec["devices"]:
+        d["fits_other"] = sec["other_bytes"] <= d["free_bytes"]
+    fits = [k for k, f in sec["formats"].items() if f is not None and f["fits"]]
+    if avail and not fits:
+        smallest = min((f["experts_bytes"] + f["block_bytes"] for f in sec["formats"].values() if f is not None),
+                       default=0)
+        problems.add("error", f"--model {sec['path']}: its routed experts fit this host's available memory "
+                              f"({avail / 2**30:.1f} GiB) in no format (the smallest needs {smallest / 2**30:.1f} GiB)",
+                     "a host with more memory, or free some")
+    if sec["devices"] and not any(d["fits_other"] for d in sec["devices"]):
+        problems.add("warning", f"--model {sec['path']}: its tensors other than the routed experts "
+                                f"({sec['other_bytes'] / 2**30:.1f} GiB) fit no GPU's free memory",
+                     "free GPU memory, or load_model(path, device=\"cpu\")")
+    return sec
+
+
 def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool = False,
-           mla_shapes=(), _python=None) -> dict:
+           mla_shapes=(), model: str | None = None, _python=None) -> dict:
     """The full report as JSON-ready data (see schema.json). simulate_gpu: compute capabilities
     ("8.6", "9.0", ...) to select for instead of this machine's GPUs; simulate_cpu: an ISA level
     of arch/cpu.json; selftest: run the selected variants once against references; mla_shapes:
-    (batch, seq_len, heads, page_size) tuples whose mla_decode plan to show for each CUDA device."""
+    (batch, seq_len, heads, page_size) tuples whose mla_decode plan to show for each CUDA device;
+    model: a DeepSeek-V2/V3 checkpoint directory (its config.json is enough) whose load_model memory to
+    count against this host and its GPUs."""
     problems = _Problems()
     # Children first (they run while the rest is probed): what could crash or hang this process.
     child = probes.PythonProbe(python=_python, mla_shapes=() if simulate_gpu else mla_shapes)
+    model_probe = probes.ModelProbe(model, python=_python) if model is not None else None
     nvml = probes.NvmlProbe() if not simulate_gpu and _gpu._NVML_HOOK is None else None
     core = probes.ModuleProbe("cpu_core")
     rep = {"schema_version": SCHEMA_VERSION, "simulated": {"gpu": [str(c) for c in simulate_gpu],
@@ -396,6 +435,8 @@ def report(*, simulate_gpu=(), simulate_cpu: str | None = None, selftest: bool =
              "error": "plans need the real GPU (not with --simulate-gpu)" if simulate_gpu else
              (py.get("torch") or {}).get("error") or "the torch child process gave no plans"}
             for B, S, H, page in mla_shapes]
+
+    rep["model"] = _model_section(model_probe.result(), problems) if model_probe is not None else None
 
     rep["selftests"] = None
     if selftest:

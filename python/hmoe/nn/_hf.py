@@ -9,6 +9,7 @@ import torch
 
 from .. import quant as _quant
 from .._dtypes import code
+from .._units import size_text
 from ..hardware import cpu as _cpu
 from ..ops import experts as _experts
 from ..ops import norm
@@ -221,11 +222,7 @@ def _fuse_norms(model) -> int:
     return len(found)
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
+_size = size_text
 
 
 def _expert_bytes(quant, group_size, dtype, block, H: int, I: int, mod) -> int:

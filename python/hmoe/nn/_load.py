@@ -52,7 +52,6 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     memory (Linux MemAvailable) or the device's free memory. False skips the check (swap, or memory that will
     be freed meanwhile).
     """
-    import transformers
 
     from .hybrid import HybridMoE
 
@@ -73,20 +72,7 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
                              "(input ids or a dict of model inputs), or give expert ids")
         _hf._check_calibration(calibration, WHO)
     names = checkpoint._shards(path, WHO)
-    config = transformers.AutoConfig.from_pretrained(path)
-    if getattr(config, "model_type", None) not in ("deepseek_v2", "deepseek_v3"):
-        raise ValueError(f"{WHO}: {path!r} holds a {getattr(config, 'model_type', '?')!r} model; this loader reads "
-                         "DeepSeek-V2/V3 checkpoints (others: transformers' from_pretrained, then patch_model)")
-    qcfg = getattr(config, "quantization_config", None)  # DeepSeek-V3's fp8: dequantised here, not by transformers
-    size = qcfg.get("weight_block_size") if isinstance(qcfg, dict) else getattr(qcfg, "weight_block_size", None)
-    block = tuple(size or (128, 128))
-    if qcfg is not None:
-        del config.quantization_config
-    with torch.device("meta"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except TypeError:  # transformers 4 names it torch_dtype
-            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    config, model, blocks, block = _meta_model(path, dtype)
     reader = checkpoint._Reader(names, path, WHO)
     used = set()
 
@@ -107,9 +93,6 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
             used.add(key)
             _set(module, name, w.to(device=device, dtype=t.dtype))
 
-    blocks = [(n, m) for n, m in model.named_modules() if _hf.is_moe_block(m)]
-    if not blocks:
-        raise ValueError(f"{WHO}: the model built from {path!r} has no DeepSeek MoE block")
     E = blocks[0][1].gate.weight.shape[0]
     fixed = [] if count or gpu_experts is None else _resolve_gpu_experts(gpu_experts, None, E)  # checked now
     if len(fixed) >= E or count and gpu_experts >= E:
@@ -172,13 +155,63 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     return model
 
 
-def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, device, progress) -> None:
-    """The MemoryError of load_model's check_memory (see there), or a line on what the load will take."""
-    mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any read
-    shapes = []  # per MoE block: (E, H, I)
+def _meta_model(path: str, dtype):
+    """(config, the model built from path's config.json on the meta device, its DeepSeek MoE blocks as (name,
+    module), the fp8 block size of its quantization_config or (128, 128))."""
+    import os
+
+    import transformers
+
+    if not os.path.isfile(os.path.join(path, "config.json")):  # transformers would look for it on the Hub
+        raise FileNotFoundError(f"{WHO}: {path!r} is not a checkpoint directory: it has no config.json")
+    config = transformers.AutoConfig.from_pretrained(path)
+    if getattr(config, "model_type", None) not in ("deepseek_v2", "deepseek_v3"):
+        raise ValueError(f"{WHO}: {path!r} holds a {getattr(config, 'model_type', '?')!r} model; this loader reads "
+                         "DeepSeek-V2/V3 checkpoints (others: transformers' from_pretrained, then patch_model)")
+    qcfg = getattr(config, "quantization_config", None)  # DeepSeek-V3's fp8: dequantised here, not by transformers
+    size = qcfg.get("weight_block_size") if isinstance(qcfg, dict) else getattr(qcfg, "weight_block_size", None)
+    block = tuple(size or (128, 128))
+    if qcfg is not None:
+        del config.quantization_config
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers 4 names it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    blocks = [(n, m) for n, m in model.named_modules() if _hf.is_moe_block(m)]
+    if not blocks:
+        raise ValueError(f"{WHO}: the model built from {path!r} has no DeepSeek MoE block")
+    return config, model, blocks, block
+
+
+def _sizes(model, blocks, dtype, block, mod) -> dict:
+    """What a load of the meta `model` holds, bytes: "shapes" per block (experts, H, I); "experts" per format
+    (its name: the float dtype's, "int8" per row, "int4" in groups of 128, "fp8" in `block`s; None where the
+    kernels cannot take the shapes) as (all CPU experts packed, the largest block's); "other": the tensors
+    besides the routed experts, in the dtypes the model gives them; "expert_float": one expert in `dtype`."""
+    shapes = []
     for _, moe in blocks:
         w13, w2 = _hf.expert_weights(moe.experts)  # meta tensors: shapes only
         shapes.append((w13.shape[0], w13.shape[2], w2.shape[2]))
+    experts = {}
+    for q in (None, "int8", "int4", "fp8"):
+        try:
+            per = [E * _hf._expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes]
+            experts[q or str(dtype).replace("torch.", "")] = (sum(per), max(per))
+        except ValueError:  # int4 groups of 128 need K a multiple of 128; fp8 blocks of 32, 64 or 128 columns
+            experts[q or str(dtype).replace("torch.", "")] = None
+    routed = {id(t) for _, moe in blocks for t in moe.experts.parameters()}
+    tensors = list(model.parameters()) + [b for _, b in _persistent_buffers(model)]
+    other = sum(t.numel() * t.element_size() for t in tensors if id(t) not in routed)
+    return {"shapes": shapes, "experts": experts, "other": other,
+            "expert_float": [3 * H * I * dtype.itemsize for _, H, I in shapes]}
+
+
+def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, device, progress) -> None:
+    """The MemoryError of load_model's check_memory (see there), or a line on what the load will take."""
+    mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any read
+    sizes = _sizes(model, blocks, dtype, block, mod)
+    shapes, other = sizes["shapes"], sizes["other"]
     try:
         per = [_hf._expert_bytes(quant, group_size, dtype, block, H, I, mod) for _, H, I in shapes]
     except ValueError:
@@ -186,10 +219,7 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
     # every block's experts are packed on the CPU before gpu_experts leave it (a count is chosen with them all)
     experts = sum(E * b for (E, _, _), b in zip(shapes, per))
     held = max(E * b for (E, _, _), b in zip(shapes, per))  # a block's stacks beside their packed copy
-    routed = {id(t) for _, moe in blocks for t in moe.experts.parameters()}
-    tensors = list(model.parameters()) + [b for _, b in _persistent_buffers(model)]
-    other = sum(t.numel() * t.element_size() for t in tensors if id(t) not in routed)
-    gpu = sum(n_gpu * 3 * H * I for _, H, I in shapes) * dtype.itemsize
+    gpu = n_gpu * sum(sizes["expert_float"])
     host = experts + held + (other + gpu if device.type == "cpu" else 0)
     avail = _cpu.mem_available_bytes()
     fmt, size = quant or str(dtype).replace("torch.", ""), _hf._size
@@ -214,6 +244,29 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
         line += f"; {size(other + gpu)} onto {device} ({size(free)} free)"
     if progress:
         print(line, file=sys.stderr, flush=True)
+
+
+def memory_needs(path: str, dtype=torch.bfloat16, isa: str | None = None) -> dict:
+    """What load_model(path) would hold, from path's config.json alone (no weights read): hmoe.compat's
+    --model. JSON-ready: the model type, MoE blocks, experts a block, H, I; per CPU-experts format its packed
+    bytes and the largest block's (null where the kernels cannot take the shapes); the other tensors' bytes;
+    one expert's in dtype; the host's available bytes (0: unknown); and each CUDA device's free bytes."""
+    config, model, blocks, block = _meta_model(path, dtype)
+    mod = _experts.module(_experts.select(isa))
+    sizes = _sizes(model, blocks, dtype, block, mod)
+    (E, H, I), shapes = sizes["shapes"][0], sizes["shapes"]
+    devices = []
+    if torch.cuda.is_available():
+        for d in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(d)
+            devices.append({"device": f"cuda:{d}", "free_bytes": free, "total_bytes": total})
+    return {"path": path, "model_type": config.model_type, "dtype": str(dtype).replace("torch.", ""),
+            "moe_blocks": len(shapes), "experts": E, "hidden_size": H, "intermediate_size": I,
+            "fp8_block": list(block),
+            "formats": {k: None if v is None else {"experts_bytes": v[0], "block_bytes": v[1]}
+                        for k, v in sizes["experts"].items()},
+            "other_bytes": sizes["other"], "expert_float_bytes": sizes["expert_float"][0],
+            "host_available_bytes": _cpu.mem_available_bytes(), "devices": devices}
 
 
 def _place_experts(model, placed, reports, gpu_experts, calibration, path, dtype, device, block, progress) -> None:
