@@ -335,6 +335,22 @@ def test_from_hf_reads_the_remote_code_layout():
     assert _rel(got, want) <= 4 * _reference.unit_roundoff(torch.float32)
 
 
+def test_expert_dims_read_every_layout_without_a_copy():
+    from hmoe.nn import _hf
+
+    class Transposed(torch.nn.Module):  # transformers' fused experts stored [E, H, 2I] and [E, I, H]
+        is_transposed = True
+
+        def __init__(self, E, H, inter):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, H, 2 * inter))
+            self.down_proj = torch.nn.Parameter(torch.randn(E, inter, H))
+
+    for experts in [models.moe_blocks(models.model("v3"))[0].experts, _RemoteMoE().experts, Transposed(3, 16, 8)]:
+        w13, w2 = _hf.expert_weights(experts)
+        assert _hf.expert_dims(experts) == (w13.shape[0], w13.shape[2], w2.shape[2], w13.dtype, w13.device)
+
+
 def test_patch_model_errors_and_second_patch():
     with pytest.raises(ValueError, match="has no DeepSeek-V2/V3 MoE block"):
         hn.patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -91,6 +91,17 @@ def expert_weights(experts):
     return w13, w2
 
 
+def expert_dims(experts) -> tuple:
+    """(E, H, I, dtype, device) of a fused or per-expert experts module (expert_weights' layouts), read from
+    its parameters' shapes: nothing is copied."""
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        d = experts.down_proj  # [E, H, I], or [E, I, H] transposed
+        H, inter = (d.shape[2], d.shape[1]) if getattr(experts, "is_transposed", False) else (d.shape[1], d.shape[2])
+        return d.shape[0], H, inter, d.dtype, d.device
+    w = next(e for e in experts if e is not None).gate_proj.weight  # [I, H]
+    return len(experts), w.shape[1], w.shape[0], w.dtype, w.device
+
+
 def router_options(gate) -> dict:
     """grouped_topk's options for a DeepSeek router: transformers' DeepseekV2TopkRouter (softmax,
     greedy or group-limited by the group's best score, no renormalisation), DeepseekV3TopkRouter
@@ -264,28 +275,27 @@ def _check_swap_memory(blocks, gpu_experts, isa, quant, group_size) -> None:
     mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any copy
     shapes, total, peak, packed_all = [], 0, 0, 0
     for _, block in blocks:
-        w13, w2 = expert_weights(block.experts)
-        E, H, inter = w13.shape[0], w13.shape[2], w2.shape[2]
+        E, H, inter, dtype, device = expert_dims(block.experts)
         if isinstance(gpu_experts, (list, tuple, torch.Tensor)):
             G = len(gpu_experts)
         else:  # a count, or None (a bad value is refused by HybridMoE with its reason)
             G = int(gpu_experts) if is_int(gpu_experts) and 0 < gpu_experts < E else 0
         try:
-            packed = (E - G) * _expert_bytes(quant, group_size, w13.dtype, (128, 128), H, inter, mod)
+            packed = (E - G) * _expert_bytes(quant, group_size, dtype, (128, 128), H, inter, mod)
         except ValueError:
             return  # a group size or shape the format cannot take: HybridMoE says so in its words
-        copy = (E - G) * 3 * H * inter * w13.element_size()
+        copy = (E - G) * 3 * H * inter * dtype.itemsize
         peak = max(peak, total + copy + (packed if quant else 0) + packed)
-        total += packed - (E * 3 * H * inter * w13.element_size() if w13.device.type == "cpu" else 0)
+        total += packed - (E * 3 * H * inter * dtype.itemsize if device.type == "cpu" else 0)
         shapes.append((E - G, H, inter))
         packed_all += packed
     avail = _cpu.mem_available_bytes()
     if avail and peak > avail:
-        fmt = quant or str(w13.dtype).replace("torch.", "")
+        fmt = quant or str(dtype).replace("torch.", "")
         raise _host_memory_error(
             f"hmoe.nn.patch_model: not enough host memory: the CPU experts take {_size(packed_all)} packed as {fmt} "
             f"({len(blocks)} MoE blocks), {_size(peak)} at the swap's peak (a block's experts copied to the host "
-            "and packed before the originals are freed)", avail, quant, w13.dtype, (128, 128), shapes, mod)
+            "and packed before the originals are freed)", avail, quant, dtype, (128, 128), shapes, mod)
 
 
 def _check_calibration(calibration, who: str) -> None:

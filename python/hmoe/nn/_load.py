@@ -189,10 +189,7 @@ def _sizes(model, blocks, dtype, block, mod) -> dict:
     (its name: the float dtype's, "int8" per row, "int4" in groups of 128, "fp8" in `block`s; None where the
     kernels cannot take the shapes) as (all CPU experts packed, the largest block's); "other": the tensors
     besides the routed experts, in the dtypes the model gives them; "expert_float": one expert in `dtype`."""
-    shapes = []
-    for _, moe in blocks:
-        w13, w2 = _hf.expert_weights(moe.experts)  # meta tensors: shapes only
-        shapes.append((w13.shape[0], w13.shape[2], w2.shape[2]))
+    shapes = [_hf.expert_dims(moe.experts)[:3] for _, moe in blocks]
     experts = {}
     for q in (None, "int8", "int4", "fp8"):
         try:
