@@ -159,8 +159,9 @@ def _model(m: dict, out: list) -> None:
             continue
         verdict = "" if f.get("fits") is None else ("  fits" if f["fits"] else "  does not fit")
         out.append(f"    {name:9s} {size_text(f['experts_bytes'])} (+ {size_text(f['block_bytes'])}){verdict}")
-    out.append(f"  other tensors (attention, shared experts, embeddings: load_model's device): {size_text(m['other_bytes'])}; "
-               f"one expert kept on a GPU (gpu_experts=): {size_text(m['expert_float_bytes'])} a block")
+    out.append(f"  other tensors (attention, shared experts, embeddings: on load_model's device): "
+               f"{size_text(m['other_bytes'])}; each expert kept on a GPU (gpu_experts=) adds "
+               f"{size_text(m['expert_float_bytes'])} there")
     for d in m["devices"]:
         out.append(f"    {d['device']}: {size_text(d['free_bytes'])} free of {size_text(d['total_bytes'])}"
                    f"{'  fits' if d['fits_other'] else '  does not fit'}")
