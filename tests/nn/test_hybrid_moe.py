@@ -382,9 +382,9 @@ def test_patch_model_checks_host_memory_before_the_first_swap(monkeypatch):
     m = models.model("v3", torch.bfloat16)
     monkeypatch.setattr(cpu, "mem_available_bytes", lambda: 1000)
     with pytest.raises(MemoryError, match=r"patch_model: not enough host memory: the CPU experts take .* packed as "
-                                          r"int8 \(2 MoE blocks\), .* at the swap's peak .* available \(MemAvailable\)\. "
-                                          r"The experts would take in bfloat16 .* \(quant=\); or pass check_memory=False"
-                       ) as e:
+                                          r"int8 \(2 MoE blocks\), .* at the swap's peak .* available \(MemAvailable, "
+                                          r"or the memory cgroup's .*\)\. The experts would take in bfloat16 .* "
+                                          r"\(quant=\); or pass check_memory=False") as e:
         hn.patch_model(m, quant="int8", progress=False)
     assert not any(isinstance(b, hn.HybridMoE) for b in m.modules())  # refused before the first block
     report = hn.patch_model(m, quant="int8", check_memory=False, progress=False)

@@ -106,18 +106,80 @@ def simulated(level_name: str, proc: str | None = None) -> CpuInfo:
 
 
 def mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping); 0 if unknown."""
+    """What this process can allocate without swapping, bytes: MemAvailable from /proc/meminfo, or less where
+    its memory cgroup's limit leaves less (a container's: /proc/meminfo shows the host's); 0 if unknown."""
+    avail = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    try:  # non-Linux fallback: free pages are a lower bound of what is available
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    if not avail:
+        try:  # non-Linux fallback: free pages are a lower bound of what is available
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 0
+    room = cgroup_room()
+    return avail if room is None or (avail and avail < room) else room
+
+
+# cgroup v1 writes "no limit" as the largest page multiple below 2^63
+_NO_LIMIT = 1 << 62
+
+
+def _read_int(path: str, key: str | None = None) -> int | None:
+    """The integer in file `path` (None for v2's "max" or an unreadable file), or key's value in a stat file."""
+    try:
+        with open(path) as f:
+            if key is None:
+                text = f.read().strip()
+                return None if text == "max" else int(text)
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k == key:
+                    return int(v)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroups let it take still: the least over its group and the groups above
+    it of limit - usage, the reclaimable inactive page cache not counted as used (cgroup v2 memory.max /
+    memory.current / memory.stat inactive_file; v1 memory.limit_in_bytes / memory.usage_in_bytes /
+    total_inactive_file). None where no limit applies or none can be read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
+        if ctrls == "":  # v2: one hierarchy at the root
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrls.split(","):
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                         "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        # the group and those above it; in a container whose cgroup namespace hides the path, the group is
+        # mounted at the root, where the walk ends too
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:depth])
+            limit = _read_int(os.path.join(d, files[0]))
+            if limit is None or limit >= _NO_LIMIT:
+                continue
+            usage = _read_int(os.path.join(d, files[1]))
+            if usage is None:
+                continue
+            inactive = _read_int(os.path.join(d, "memory.stat"), files[2]) or 0
+            rooms.append(max(0, limit - max(0, usage - inactive)))
+    return min(rooms) if rooms else None
 
 
 def mem_total_bytes() -> int:

@@ -263,7 +263,8 @@ def _host_memory_error(what: str, avail: int, quant, dtype, block, shapes, mod) 
                 alt.append(f"{name} {_size(b)}")
         except ValueError:  # shapes the format cannot take (int4 groups of 128 need K a multiple of 128)
             pass
-    return MemoryError(f"{what}, and the host has {_size(avail)} available (MemAvailable). "
+    return MemoryError(f"{what}, and {_size(avail)} is available (MemAvailable, or the memory cgroup's limit "
+                       "where that leaves less). "
                        + (f"The experts would take {', '.join(alt)} (quant=); or pass" if alt else "Pass")
                        + " check_memory=False to go ahead anyway")
 
@@ -271,7 +272,7 @@ def _host_memory_error(what: str, avail: int, quant, dtype, block, shapes, mod) 
 def _check_swap_memory(blocks, gpu_experts, isa, quant, group_size) -> None:
     """patch_model's check_memory: the host bytes its swap needs at most (per block, in order: the CPU experts'
     float copy on the host and the quantised stack beside their packed copy, then the originals freed where
-    they were on the CPU), against MemAvailable."""
+    they were on the CPU), against hardware.cpu.mem_available_bytes."""
     mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any copy
     shapes, total, peak, packed_all = [], 0, 0, 0
     for _, block in blocks:
@@ -373,8 +374,9 @@ def patch_model(model, *, gpu_experts=None, calibration=None, isa: str | None = 
     kernels). A model without DeepSeek MoE blocks is a ValueError (other MoE families, e.g. Mixtral or
     Qwen-MoE, route differently: experts_implementation="hmoe" runs their experts); a model patched before
     gives a report saying so. check_memory: before the first block is swapped, a MemoryError (with the
-    sizes, and the experts' in the other formats) when the host's available memory (Linux MemAvailable)
-    cannot hold the packed CPU experts at the swap's peak; False skips it.
+    sizes, and the experts' in the other formats) when the host's available memory (Linux MemAvailable, or a
+    container's memory cgroup limit where that leaves less) cannot hold the packed CPU experts at the swap's
+    peak; False skips it.
     """
     from .hybrid import HybridMoE
 

@@ -49,8 +49,8 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     experts' packed size in their format, one MoE block's more while it is read and packed; with device="cpu"
     the other tensors too; on a CUDA device the other tensors and the experts kept there) and a MemoryError
     names them, with the size of the experts in the other formats, when they exceed the host's available
-    memory (Linux MemAvailable) or the device's free memory. False skips the check (swap, or memory that will
-    be freed meanwhile).
+    memory (Linux MemAvailable, or a container's memory cgroup limit where that leaves less) or the device's
+    free memory. False skips the check (swap, or memory that will be freed meanwhile).
     """
 
     from .hybrid import HybridMoE
