@@ -9,7 +9,7 @@ import torch
 
 from .. import quant as _quant
 from .._dtypes import code
-from .._units import size_text
+from .._units import size_text as _size
 from ..hardware import cpu as _cpu
 from ..ops import experts as _experts
 from ..ops import norm
@@ -233,8 +233,6 @@ def _fuse_norms(model) -> int:
     return len(found)
 
 
-_size = size_text
-
 
 def _expert_bytes(quant, group_size, dtype, block, H: int, I: int, mod) -> int:
     """One expert's packed bytes (w13 and w2, scales included) in the CPU experts' format: quant None keeps
@@ -251,18 +249,27 @@ def _expert_bytes(quant, group_size, dtype, block, H: int, I: int, mod) -> int:
     return b13 + b2
 
 
+def _format_totals(formats, dtype, block, shapes, mod) -> dict:
+    """Per CPU-experts format of `formats` (None: the float dtype; groups and blocks by default): (the packed
+    bytes of the experts of `shapes`, per block (experts, H, I), the largest block's), or None where the
+    kernels cannot take the shapes (int4 groups of 128 need K a multiple of 128; fp8 blocks 32-128 columns)."""
+    out = {}
+    for q in formats:
+        try:
+            per = [E * _expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes]
+            out[q] = (sum(per), max(per))
+        except ValueError:
+            out[q] = None
+    return out
+
+
 def _host_memory_error(what: str, avail: int, quant, dtype, block, shapes, mod) -> MemoryError:
     """check_memory's MemoryError: `what` the load or swap needs, the host's available bytes, and the size of
     the CPU experts (shapes: per block (experts, H, I)) in the other formats."""
-    alt = []
-    for q, name in ((None, "in " + str(dtype).replace("torch.", "")), ("int8", "as int8 (per row)"),
-                    ("int4", "as int4 (groups of 128)")):
-        try:
-            if q != quant:
-                b = sum(E * _expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes)
-                alt.append(f"{name} {_size(b)}")
-        except ValueError:  # shapes the format cannot take (int4 groups of 128 need K a multiple of 128)
-            pass
+    names = {None: "in " + str(dtype).replace("torch.", ""), "int8": "as int8 (per row)",
+             "int4": "as int4 (groups of 128)"}
+    totals = _format_totals([q for q in names if q != quant], dtype, block, shapes, mod)
+    alt = [f"{names[q]} {_size(t[0])}" for q, t in totals.items() if t is not None]
     return MemoryError(f"{what}, and {_size(avail)} is available (MemAvailable, or the memory cgroup's limit "
                        "where that leaves less). "
                        + (f"The experts would take {', '.join(alt)} (quant=); or pass" if alt else "Pass")

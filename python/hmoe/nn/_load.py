@@ -184,30 +184,21 @@ def _meta_model(path: str, dtype):
     return config, model, blocks, block
 
 
-def _sizes(model, blocks, dtype, block, mod) -> dict:
-    """What a load of the meta `model` holds, bytes: "shapes" per block (experts, H, I); "experts" per format
-    (its name: the float dtype's, "int8" per row, "int4" in groups of 128, "fp8" in `block`s; None where the
-    kernels cannot take the shapes) as (all CPU experts packed, the largest block's); "other": the tensors
-    besides the routed experts, in the dtypes the model gives them; "expert_float": one expert in `dtype`."""
+def _sizes(model, blocks, dtype) -> dict:
+    """What a load of the meta `model` holds besides the CPU experts' packed bytes: "shapes" per block
+    (experts, H, I); "other": the tensors besides the routed experts, in the dtypes the model gives them;
+    "expert_float": one expert in `dtype`, per block."""
     shapes = [_hf.expert_dims(moe.experts)[:3] for _, moe in blocks]
-    experts = {}
-    for q in (None, "int8", "int4", "fp8"):
-        try:
-            per = [E * _hf._expert_bytes(q, None, dtype, block, H, I, mod) for E, H, I in shapes]
-            experts[q or str(dtype).replace("torch.", "")] = (sum(per), max(per))
-        except ValueError:  # int4 groups of 128 need K a multiple of 128; fp8 blocks of 32, 64 or 128 columns
-            experts[q or str(dtype).replace("torch.", "")] = None
     routed = {id(t) for _, moe in blocks for t in moe.experts.parameters()}
     tensors = list(model.parameters()) + [b for _, b in _persistent_buffers(model)]
     other = sum(t.numel() * t.element_size() for t in tensors if id(t) not in routed)
-    return {"shapes": shapes, "experts": experts, "other": other,
-            "expert_float": [3 * H * I * dtype.itemsize for _, H, I in shapes]}
+    return {"shapes": shapes, "other": other, "expert_float": [3 * H * I * dtype.itemsize for _, H, I in shapes]}
 
 
 def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, device, progress) -> None:
     """The MemoryError of load_model's check_memory (see there), or a line on what the load will take."""
     mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any read
-    sizes = _sizes(model, blocks, dtype, block, mod)
+    sizes = _sizes(model, blocks, dtype)
     shapes, other = sizes["shapes"], sizes["other"]
     try:
         per = [_hf._expert_bytes(quant, group_size, dtype, block, H, I, mod) for _, H, I in shapes]
@@ -250,8 +241,9 @@ def memory_needs(path: str, dtype=torch.bfloat16, isa: str | None = None) -> dic
     one expert's in dtype; the host's available bytes (0: unknown); and each CUDA device's free bytes."""
     config, model, blocks, block = _meta_model(path, dtype)
     mod = _experts.module(_experts.select(isa))
-    sizes = _sizes(model, blocks, dtype, block, mod)
+    sizes = _sizes(model, blocks, dtype)
     (E, H, I), shapes = sizes["shapes"][0], sizes["shapes"]
+    totals = _hf._format_totals((None, "int8", "int4", "fp8"), dtype, block, shapes, mod)
     devices = []
     if torch.cuda.is_available():
         for d in range(torch.cuda.device_count()):
@@ -260,8 +252,8 @@ def memory_needs(path: str, dtype=torch.bfloat16, isa: str | None = None) -> dic
     return {"path": path, "model_type": config.model_type, "dtype": str(dtype).replace("torch.", ""),
             "moe_blocks": len(shapes), "experts": E, "hidden_size": H, "intermediate_size": I,
             "fp8_block": list(block),
-            "formats": {k: None if v is None else {"experts_bytes": v[0], "block_bytes": v[1]}
-                        for k, v in sizes["experts"].items()},
+            "formats": {q or str(dtype).replace("torch.", ""): None if t is None else
+                        {"experts_bytes": t[0], "block_bytes": t[1]} for q, t in totals.items()},
             "other_bytes": sizes["other"], "expert_float_bytes": sizes["expert_float"][0],
             "host_available_bytes": _cpu.mem_available_bytes(), "devices": devices}
 
