@@ -72,6 +72,31 @@ def test_experts_kept_on_the_device_by_id(tmp_path):
     assert torch.equal(_logits(got, ids), _logits(want, ids))
 
 
+def test_experts_kept_by_id_are_read_once_in_float_and_never_packed(tmp_path, monkeypatch):
+    # each block reads its CPU experts without the ids (quantised), then the ids alone in float for the device,
+    # and builds its HybridMoE so: no stack of every expert, no copy of a subset of the packed experts
+    from hmoe import checkpoint
+
+    _saved(tmp_path, "v3")
+    reads, real = [], checkpoint._read_experts
+
+    def recorded(names, path, layer, quant, group_size, dtype, *args, only=None):
+        reads.append((layer, quant, dtype, only))
+        return real(names, path, layer, quant, group_size, dtype, *args, only=only)
+
+    monkeypatch.setattr(checkpoint, "_read_experts", recorded)
+    monkeypatch.setattr(hn.HybridMoE, "keep_on_device", lambda *a: pytest.fail("keep_on_device was called"))
+    monkeypatch.setattr(hn.CPUExperts, "subset", lambda *a: pytest.fail("CPUExperts.subset was called"))
+    got = hn.load_model(str(tmp_path), device="cpu", quant="int8", gpu_experts=torch.tensor([3, 0]), progress=False)
+    E = models.v3_config().n_routed_experts
+    rest = [e for e in range(E) if e not in (0, 3)]
+    assert reads == [r for layer in (1, 2) for r in ((layer, "int8", None, rest), (layer, None, torch.bfloat16, [0, 3]))]
+    blocks = [b for b in got.modules() if isinstance(b, hn.HybridMoE)]
+    assert all(b.experts.num_experts == E - 2 and b.gpu_ids.tolist() == [0, 3] for b in blocks)
+    assert [(r.gpu_experts, r.packed_bytes) for r in got.hmoe_report.blocks] == [([0, 3], b.experts.packed_bytes)
+                                                                                 for b in blocks]
+
+
 def test_experts_kept_on_the_device_by_count_are_the_busiest_on_the_calibration(tmp_path):
     _saved(tmp_path, "v2")
     calib = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
@@ -122,13 +147,17 @@ def _load_counted(path, monkeypatch, **load):
 
 def _host_bytes(path, monkeypatch, **load):
     """What a load onto the CPU holds at its peak, counted from a finished load: every CPU expert packed, the
-    largest block's experts once more (read, beside their packed copy), and the model's other tensors."""
+    largest block's CPU experts once more (read, beside their packed copy), the model's other tensors and the
+    experts kept on the device (here the CPU, in float)."""
     got, other = _load_counted(path, monkeypatch, device="cpu", **load)
     packed = [b.packed_bytes for b in got.hmoe_report.blocks]
-    return sum(packed) + max(packed) + other
+    kept = sum(b.gpu_w13.nbytes + b.gpu_w2.nbytes for b in got.modules()
+               if isinstance(b, hn.HybridMoE) and b.gpu_w13 is not None)
+    return sum(packed) + max(packed) + other + kept, packed
 
 
-@pytest.mark.parametrize("load", [{}, {"quant": "int8"}, {"quant": "int4", "group_size": 32}, {"quant": "fp8"}])
+@pytest.mark.parametrize("load", [{}, {"quant": "int8"}, {"quant": "int4", "group_size": 32}, {"quant": "fp8"},
+                                  {"quant": "int4", "group_size": 32, "gpu_experts": [0, 3]}])
 def test_memory_checked_before_anything_is_read(load, tmp_path, monkeypatch, capsys):
     # the count is exact: the host's available memory at the count loads, one byte less is a MemoryError that
     # comes before any expert is read
@@ -136,7 +165,12 @@ def test_memory_checked_before_anything_is_read(load, tmp_path, monkeypatch, cap
     from hmoe.hardware import cpu
 
     _saved(tmp_path, "v3")
-    need = _host_bytes(str(tmp_path), monkeypatch, **load)
+    need, packed = _host_bytes(str(tmp_path), monkeypatch, **load)
+    if "gpu_experts" in load:  # ids: the count and the CPU experts are E - 2 experts a block, not every one
+        E, every = models.v3_config().n_routed_experts, {k: v for k, v in load.items() if k != "gpu_experts"}
+        full = [b.packed_bytes for b in hn.load_model(str(tmp_path), device="cpu", progress=False,
+                                                       **every).hmoe_report.blocks]
+        assert packed == [p // E * (E - 2) for p in full]
     monkeypatch.setattr(cpu, "mem_available_bytes", lambda: need)
     got = hn.load_model(str(tmp_path), device="cpu", **load)
     fmt = load.get("quant", "bfloat16")

@@ -20,7 +20,7 @@ from ..hardware import cpu as _cpu
 from ..ops import experts as _experts
 from ..validation import is_int
 from . import _hf
-from .hybrid import _resolve_gpu_experts
+from .hybrid import _cpu_ids, _resolve_gpu_experts
 
 WHO = "hmoe.nn.load_model"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -42,12 +42,16 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     gpu_experts, as hmoe.nn.patch_model's: per MoE block, expert ids to compute on `device` instead of the CPU,
     or a count n chosen per block from routing statistics: the n busiest experts of one forward of the loaded
     model (every expert still on the CPU) on `calibration` (input ids, or a dict of model inputs; tensors are
-    moved to `device`). Those experts are read from the checkpoint again, in `dtype`, onto `device`
-    (HybridMoE.keep_on_device); the CPU experts keep the others, quantised or not as `quant` says.
+    moved to `device`). The CPU experts keep the others, quantised or not as `quant` says. With ids, each block
+    reads the others into its CPU experts and those ids in `dtype` onto `device` (HybridMoE's gpu_weights): no
+    expert is read twice, and the host never holds the chosen ones packed. A count is chosen with every expert
+    on the CPU, so its experts are read from the checkpoint again, in `dtype`, onto `device` after the forward
+    (HybridMoE.keep_on_device).
 
     check_memory: before anything is read, the bytes the load will hold are counted from the config (the CPU
-    experts' packed size in their format, one MoE block's more while it is read and packed; with device="cpu"
-    the other tensors too; on a CUDA device the other tensors and the experts kept there) and a MemoryError
+    experts' packed size in their format: with gpu_experts as ids the others only, with a count all of them;
+    one MoE block's more while it is read and packed; with device="cpu" the other tensors and the experts kept
+    there too; on a CUDA device the other tensors and the experts kept there) and a MemoryError
     names them, with the size of the experts in the other formats, when they exceed the host's available
     memory (Linux MemAvailable, or a container's memory cgroup limit where that leaves less) or the device's
     free memory. False skips the check (swap, or memory that will be freed meanwhile).
@@ -100,7 +104,7 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
                          "the CPU")
     if check_memory:
         _check_memory(path, model, blocks, quant, group_size, dtype, block, isa,
-                      gpu_experts if count else len(fixed), device, progress)
+                      gpu_experts if count else len(fixed), not count, device, progress)
     # each layer's expert tensors, indexed in one pass over the names (a scan of them all for every layer
     # took 18 s for DeepSeek-V3's 89k names)
     experts_of: dict = {}
@@ -112,7 +116,8 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
     for i, (name, moe) in enumerate(blocks):
         layer = _layer_of(name)
         if progress:
-            print(f"{WHO}: MoE block {i + 1} of {len(blocks)} ({name})", file=sys.stderr, flush=True)
+            onto = f": experts {fixed} onto {device}" if fixed else ""
+            print(f"{WHO}: MoE block {i + 1} of {len(blocks)} ({name}){onto}", file=sys.stderr, flush=True)
         fill(moe.gate, name + ".gate.")
         if getattr(moe, "shared_experts", None) is not None:
             fill(moe.shared_experts, name + ".shared_experts.")
@@ -120,18 +125,24 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         if not expert_keys:
             raise ValueError(f"{WHO}: {name}.experts.* (the routed experts of layer {layer}) are missing from "
                              f"{path!r}")
-        # the names read once for all layers (load_experts would list the shards again for each)
+        # the names read once for all layers (load_experts would list the shards again for each); with ids, the
+        # CPU experts read without them, and they in float for the device: no stack of every expert
+        prefix, on_device = f"{name}.experts.", None
         w13, w2 = checkpoint._read_experts(expert_keys, path, layer, quant, group_size, None if quant else dtype,
-                                           f"{name}.experts.", block, progress)
+                                           prefix, block, progress,
+                                           only=_cpu_ids(fixed, moe.gate.weight.shape[0]) if fixed else None)
+        if fixed:
+            on_device = checkpoint._read_experts(expert_keys, path, layer, None, None, dtype, prefix, block, progress,
+                                                 only=fixed)
         used.update(expert_keys)
         hybrid = HybridMoE(moe.gate.weight.detach(), w13, w2, shared_experts=getattr(moe, "shared_experts", None),
-                           isa=isa, **_hf.router_options(moe.gate))
-        del w13, w2
+                           gpu_experts=fixed or None, gpu_weights=on_device, isa=isa, **_hf.router_options(moe.gate))
+        del w13, w2, on_device
         _hf._set_submodule(model, name, hybrid)
         placed.append((name, layer, hybrid, expert_keys))
         isa_name = hybrid.experts.isa
-        reports.append(_hf.BlockReport(name, hybrid.num_experts, [], reader.dtype(min(expert_keys)), "the checkpoint",
-                                       hybrid.experts.packed_bytes, hybrid.experts.format))
+        reports.append(_hf.BlockReport(name, hybrid.num_experts, list(fixed), reader.dtype(min(expert_keys)),
+                                       "the checkpoint", hybrid.experts.packed_bytes, hybrid.experts.format))
     fill(model, "")
     for name, mod in list(model.named_modules()):  # non-persistent buffers (the rotary embedding's frequencies)
         if any(b.is_meta for b in mod.buffers(recurse=False)) and type(mod).__name__.endswith("RotaryEmbedding"):
@@ -144,9 +155,8 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
         raise RuntimeError(f"{WHO}: {len(left)} tensors of the model were not filled: {left[:5]}")
     norms = _hf._fuse_norms(model) if fuse_norms else 0
     model.eval()
-    if count or fixed:
-        _place_experts(model, placed, reports, gpu_experts if count else fixed, calibration, path, dtype, device,
-                       block, progress)
+    if count:
+        _place_experts(model, placed, reports, gpu_experts, calibration, path, dtype, device, block, progress)
     unread = len([k for k in names if k not in used and not k.endswith("_scale_inv")])
     report = _hf.PatchReport(reports, 0, isa_name, str(device), 0, norms, who=WHO, unread=unread)
     model.hmoe_report = report
@@ -195,8 +205,10 @@ def _sizes(model, blocks, dtype) -> dict:
     return {"shapes": shapes, "other": other, "expert_float": [3 * H * I * dtype.itemsize for _, H, I in shapes]}
 
 
-def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, device, progress) -> None:
-    """The MemoryError of load_model's check_memory (see there), or a line on what the load will take."""
+def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_gpu: int, by_id: bool, device,
+                  progress) -> None:
+    """The MemoryError of load_model's check_memory (see there), or a line on what the load will take; n_gpu
+    experts a block kept on the device, by_id: given as ids (never among the CPU experts) rather than a count."""
     mod = _experts.module(_experts.select(isa))  # an isa this CPU cannot run is refused here, before any read
     sizes = _sizes(model, blocks, dtype)
     shapes, other = sizes["shapes"], sizes["other"]
@@ -204,9 +216,10 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
         per = [_hf._expert_bytes(quant, group_size, dtype, block, H, I, mod) for _, H, I in shapes]
     except ValueError:
         return  # a format the kernels do not take (fp8 blocks of other widths): the load says so in its words
-    # every block's experts are packed on the CPU before gpu_experts leave it (a count is chosen with them all)
-    experts = sum(E * b for (E, _, _), b in zip(shapes, per))
-    held = max(E * b for (E, _, _), b in zip(shapes, per))  # a block's stacks beside their packed copy
+    # ids given: a block's CPU experts are read without them; a count is chosen with every expert on the CPU
+    on_cpu = [E - n_gpu if by_id else E for E, _, _ in shapes]
+    experts = sum(n * b for n, b in zip(on_cpu, per))
+    held = max(n * b for n, b in zip(on_cpu, per))  # a block's stacks beside their packed copy
     gpu = n_gpu * sum(sizes["expert_float"])
     host = experts + held + (other + gpu if device.type == "cpu" else 0)
     avail = _cpu.mem_available_bytes()
@@ -258,14 +271,12 @@ def memory_needs(path: str, dtype=torch.bfloat16, isa: str | None = None) -> dic
             "host_available_bytes": _cpu.mem_available_bytes(), "devices": devices}
 
 
-def _place_experts(model, placed, reports, gpu_experts, calibration, path, dtype, device, block, progress) -> None:
-    """Moves gpu_experts (ids, or a count chosen after a forward on calibration) of every placed block to the
-    device, their float weights read from the checkpoint again."""
-    if not isinstance(gpu_experts, list):  # a count: the busiest experts of the loaded model on calibration
-        _hf._calibrate(model, _to(calibration, device))  # counted from zero: nothing ran since construction
+def _place_experts(model, placed, reports, count: int, calibration, path, dtype, device, block, progress) -> None:
+    """Moves the `count` busiest experts of every placed block on a forward of `calibration` to the device,
+    their float weights read from the checkpoint again."""
+    _hf._calibrate(model, _to(calibration, device))  # counted from zero: nothing ran since construction
     for (name, layer, hybrid, keys), report in zip(placed, reports):
-        ids = (gpu_experts if isinstance(gpu_experts, list)
-               else _resolve_gpu_experts(gpu_experts, hybrid.routing_counts, hybrid.num_experts))
+        ids = _resolve_gpu_experts(count, hybrid.routing_counts, hybrid.num_experts)
         if progress:
             print(f"{WHO}: {name}: experts {ids} onto {device}", file=sys.stderr, flush=True)
         w13, w2 = checkpoint._read_experts(keys, path, layer, None, None, dtype, f"{name}.experts.", block, progress,

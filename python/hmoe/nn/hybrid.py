@@ -50,13 +50,19 @@ class HybridMoE(torch.nn.Module):
     gate, up and h rounded to it, h times its (fp32) routing weight rounded once, and the sum over
     those experts inside the second matmul, rounded once.
 
+    gpu_weights=(w13 [G, 2I, H], w2 [G, H, I]): a placement already split. The float weights of
+    gpu_experts (ids; one matrix of each per id, in sorted id order) come apart from the CPU experts',
+    and w13 and w2 hold only the others (E - G of them, in id order; float or quantised), so that no
+    stack of every expert is needed: hmoe.nn.load_model reads each block's experts from a checkpoint so.
+
     quant: None (the CPU experts keep the weights' dtype), or "int8", "int4", "fp8": the CPU experts'
     weights are quantised with hmoe.quant.quantize (group_size as there; fp8 in (128, 128) blocks)
     and run by the quantised kernels (their precision contract: hmoe.ops.experts); GPU-resident
     experts keep the original weights. w13 and w2 may also come quantised, as
     hmoe.quant.QuantizedWeights (hmoe.load_experts(..., quant=...) reads them so from a checkpoint,
     expert by expert): the CPU experts take them as they are, and every routed expert is a CPU one
-    until keep_on_device moves some to the device with their float weights.
+    unless gpu_weights gives the float weights of gpu_experts, or until keep_on_device moves some to the
+    device with theirs.
 
     The state dict holds the CPU experts as packed (experts.w13_packed, experts.w2_packed, uint8, and
     experts.layout): load_state_dict takes them from a module built with the same quant, group_size and
@@ -67,7 +73,7 @@ class HybridMoE(torch.nn.Module):
                  scoring: str = "softmax", e_score_correction_bias=None, renormalize: bool = False,
                  routed_scaling_factor: float = 1.0, shared_experts: torch.nn.Module | None = None,
                  gpu_experts=None, routing_counts=None, isa: str | None = None, quant: str | None = None,
-                 group_size: int | None = None):
+                 group_size: int | None = None, gpu_weights=None):
         super().__init__()
         quantised = [isinstance(w, hquant.QuantizedWeights) for w in (w13, w2)]
         if any(quantised):  # already quantised (hmoe.quant, hmoe.load_experts(quant=...)): the CPU experts as given
@@ -79,7 +85,7 @@ class HybridMoE(torch.nn.Module):
             if quant is not None and quant != w13.format or group_size is not None:
                 raise ValueError(f"HybridMoE: w13 and w2 are quantised already ({w13.format}); quant={quant!r} and "
                                  f"group_size={group_size!r} apply to float weights")
-            if gpu_experts is not None and not (is_int(gpu_experts) and gpu_experts == 0):
+            if gpu_weights is None and gpu_experts is not None and not (is_int(gpu_experts) and gpu_experts == 0):
                 raise ValueError("HybridMoE: gpu_experts needs the float weights of the experts kept on the GPU; with "
                                  "quantised w13 and w2 every routed expert runs on the CPU")
         checked = (("gate_weight", gate_weight, 2),) + (() if quantised[0] else (("w13", w13, 3), ("w2", w2, 3)))
@@ -87,8 +93,13 @@ class HybridMoE(torch.nn.Module):
             if not isinstance(t, torch.Tensor) or t.dim() != ndim:
                 raise TypeError(f"HybridMoE: {name} must be a {ndim}-d torch tensor, got "
                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        meta = [name for name, t in (("gate_weight", gate_weight), ("w13", w13), ("w2", w2))
-                if isinstance(t, torch.Tensor) and t.is_meta]
+        named = (("gate_weight", gate_weight), ("w13", w13), ("w2", w2))
+        if gpu_weights is not None:
+            if not isinstance(gpu_weights, (tuple, list)) or len(gpu_weights) != 2:
+                raise TypeError(f"HybridMoE: gpu_weights must be a pair (w13 [G, 2I, H], w2 [G, H, I]) of the "
+                                f"gpu_experts' float weights, got {type(gpu_weights).__name__}")
+            named += (("gpu_weights[0]", gpu_weights[0]), ("gpu_weights[1]", gpu_weights[1]))
+        meta = [name for name, t in named if isinstance(t, torch.Tensor) and t.is_meta]
         if meta:
             raise ValueError(f"HybridMoE: {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, "
                              "without data (a model built under torch.device('meta'), or weights offloaded by "
@@ -97,10 +108,17 @@ class HybridMoE(torch.nn.Module):
             raise ValueError(f"HybridMoE: group_size={group_size!r} applies to quant='int8' or 'int4'; with quant=None "
                              "the CPU experts keep the weights' dtype")
         E, H = gate_weight.shape
-        if tuple(w13.shape[::2]) != (E, H) or w13.shape[1] % 2 or tuple(w2.shape[:2]) != (E, H) \
+        split = None if gpu_weights is None else _split_ids(gpu_experts, E)  # the ids gpu_weights belong to
+        n = E if split is None else E - len(split)  # experts in w13 and w2
+        if tuple(w13.shape[::2]) != (n, H) or w13.shape[1] % 2 or tuple(w2.shape[:2]) != (n, H) \
                 or w2.shape[2] * 2 != w13.shape[1]:
+            rows, why = ("E", "") if split is None else \
+                ("E - G", f" (with gpu_weights, w13 and w2 hold the experts not in gpu_experts: G = {len(split)})")
             raise ValueError(f"HybridMoE: shapes do not fit together: gate_weight {tuple(gate_weight.shape)} = "
-                             f"[E, H], w13 {tuple(w13.shape)} = [E, 2I, H], w2 {tuple(w2.shape)} = [E, H, I]")
+                             f"[E, H], w13 {tuple(w13.shape)} = [{rows}, 2I, H], w2 {tuple(w2.shape)} = [{rows}, H, I]"
+                             + why)
+        if split is not None:
+            _check_device_weights("HybridMoE: gpu_weights", len(split), H, w2.shape[2], *gpu_weights)
         if scoring not in _SCORINGS:
             raise ValueError(f"HybridMoE: scoring must be one of {_SCORINGS}, got {scoring!r}")
         for name, v in (("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
@@ -118,19 +136,24 @@ class HybridMoE(torch.nn.Module):
         self.register_buffer("routing_counts", torch.zeros(E, dtype=torch.int64, device=dev))
         self.shared_experts = shared_experts
 
-        gpu = _resolve_gpu_experts(gpu_experts, routing_counts, E)
+        gpu = _resolve_gpu_experts(gpu_experts, routing_counts, E) if split is None else split
         for name in ("cpu_index", "gpu_ids", "gpu_w13", "gpu_w2"):
             self.register_buffer(name, None)
         cpu = _cpu_ids(gpu, E)
         with torch.no_grad():
-            sel = torch.tensor(gpu, dtype=torch.long)
-            self._place(gpu, cpu, *((w.detach().index_select(0, sel.to(w.device)) for w in (w13, w2)) if gpu
-                                    else (None, None)))
+            if split is not None:
+                on_device = [w.detach() for w in gpu_weights]
+            elif gpu:
+                sel = torch.tensor(gpu, dtype=torch.long)
+                on_device = [w.detach().index_select(0, sel.to(w.device)) for w in (w13, w2)]
+            else:
+                on_device = [None, None]
+            self._place(gpu, cpu, *on_device)
             if quantised[0]:
                 c13, c2 = w13, w2
             else:
                 c13, c2 = w13.detach().to("cpu"), w2.detach().to("cpu")
-                if gpu:
+                if gpu and split is None:
                     c13, c2 = c13[cpu], c2[cpu]
                 c13, c2 = c13.contiguous(), c2.contiguous()
             if quant is not None and not quantised[0]:  # group_size with fp8 (scaled per block) is quantize's error
@@ -171,12 +194,7 @@ class HybridMoE(torch.nn.Module):
         if isinstance(gpu_experts, bool) or not isinstance(gpu_experts, (list, tuple, torch.Tensor)):
             raise TypeError(f"HybridMoE.keep_on_device: gpu_experts must be a list of expert ids, got {gpu_experts!r}")
         gpu = _resolve_gpu_experts(gpu_experts, None, self.num_experts)
-        G, H, inter = len(gpu), self.hidden_size, self.intermediate_size
-        for name, t, want in (("w13", w13, (G, 2 * inter, H)), ("w2", w2, (G, H, inter))):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != want:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"HybridMoE.keep_on_device: {name} must be float weights of shape {want} (the "
-                                 f"{G} experts' in sorted id order), got {got}")
+        _check_device_weights("HybridMoE.keep_on_device", len(gpu), self.hidden_size, self.intermediate_size, w13, w2)
         if not gpu:
             return
         cpu = _cpu_ids(gpu, self.num_experts)
@@ -410,6 +428,25 @@ class HybridMoE(torch.nn.Module):
         return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, top_k={self.top_k}, "
                 f"groups={self.n_group}/{self.topk_group}, scoring={self.scoring}, cpu={self.experts!r}, "
                 f"gpu_experts={G}")
+
+
+def _check_device_weights(who: str, G: int, H: int, inter: int, w13, w2) -> None:
+    """w13 [G, 2I, H] and w2 [G, H, I] must be float tensors: the weights of G experts computed on the device."""
+    for name, t, want in (("w13", w13, (G, 2 * inter, H)), ("w2", w2, (G, H, inter))):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != want:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{who}: {name} must be float weights of shape {want} (the {G} experts' in sorted id "
+                             f"order), got {got}")
+
+
+def _split_ids(gpu_experts, E: int) -> list:
+    """The sorted ids of gpu_experts given with their weights apart (gpu_weights): ids, at least one left."""
+    if gpu_experts is None or is_int(gpu_experts):
+        raise ValueError(f"HybridMoE: gpu_weights are the float weights of gpu_experts given as expert ids, got "
+                         f"gpu_experts={gpu_experts!r}")
+    gpu = _resolve_gpu_experts(gpu_experts, None, E)
+    _cpu_ids(gpu, E)  # all E on the device is refused before the CPU experts' shapes are
+    return gpu
 
 
 def _cpu_ids(gpu: list, E: int) -> list:
