@@ -12,4 +12,5 @@ g++ -O3 -std=c++17 -march=sapphirerapids -mamx-tile -mamx-int8 -mamx-bf16 -fopen
   -o "$out/amx_tune"
 nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icuda tools/wgmma_peak/wgmma_peak.cu -o "$out/wgmma_peak"
 nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -Icuda tools/mma_peak/mma_peak.cu -o "$out/mma_peak"
-echo "tools: experts_tune, amx_peak, amx_tune, wgmma_peak, mma_peak compile"
+nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -Icuda tools/read_peak/read_peak.cu -o "$out/read_peak"
+echo "tools: experts_tune, amx_peak, amx_tune, wgmma_peak, mma_peak, read_peak compile"
