@@ -203,6 +203,35 @@ def test_memory_error_names_the_formats_that_would_take_less(tmp_path, monkeypat
         hn.load_model(str(tmp_path / "small"), device="cpu", progress=False)
 
 
+@pytest.mark.parametrize("gpu_experts", [[0, 3], 2], ids=["ids", "count"])
+def test_host_count_of_a_gpu_load_holds_the_kept_experts_passing_through(gpu_experts, tmp_path, monkeypatch):
+    # onto a CUDA device the kept experts' float weights are read on the host first: beside a block's CPU stacks
+    # (ids) or beside the subset copy of the block's CPU experts (a count): more than a block's int4 stacks alone
+    from hmoe.hardware import cpu
+    from hmoe.nn import _load
+
+    _saved(tmp_path, "v3")
+    packed = _host_bytes(str(tmp_path), monkeypatch, quant="int4", group_size=32, gpu_experts=[0, 3])[1]
+    cfg = models.v3_config()
+    E, f = cfg.n_routed_experts, 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2  # an expert in bf16
+    per = [p // (E - 2) for p in packed]  # an int4 expert's packed bytes, per block
+    on_cpu = E - 2 if isinstance(gpu_experts, list) else E  # a count is chosen with every expert on the CPU
+    need = sum(on_cpu * b for b in per) + max((E - 2) * b + 2 * f for b in per)
+    assert 2 * f > 2 * max(per)  # the float weights, not a block's stacks, set the peak here
+    _, model, blocks, block = _load._meta_model(str(tmp_path), torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 50, 1 << 50))
+
+    def check():
+        _load._check_memory(str(tmp_path), model, blocks, "int4", 32, torch.bfloat16, block, None, 2,
+                            isinstance(gpu_experts, list), torch.device("cuda", 0), False)
+
+    monkeypatch.setattr(cpu, "mem_available_bytes", lambda: need)
+    check()
+    monkeypatch.setattr(cpu, "mem_available_bytes", lambda: need - 1)
+    with pytest.raises(MemoryError, match="not enough host memory"):
+        check()
+
+
 @pytest.mark.gpu
 def test_device_memory_checked_before_anything_is_read(tmp_path, monkeypatch):
     if not torch.cuda.is_available():

@@ -50,8 +50,9 @@ def load_model(path: str, *, device="cuda", dtype=torch.bfloat16, quant: str | N
 
     check_memory: before anything is read, the bytes the load will hold are counted from the config (the CPU
     experts' packed size in their format: with gpu_experts as ids the others only, with a count all of them;
-    one MoE block's more while it is read and packed; with device="cpu" the other tensors and the experts kept
-    there too; on a CUDA device the other tensors and the experts kept there) and a MemoryError
+    one MoE block's more while it is read and packed, or, on a CUDA device with experts kept there, while their
+    float weights pass through the host, if that is more; with device="cpu" the other tensors and the experts
+    kept there too; on a CUDA device the other tensors and the experts kept there) and a MemoryError
     names them, with the size of the experts in the other formats, when they exceed the host's available
     memory (Linux MemAvailable, or a container's memory cgroup limit where that leaves less) or the device's
     free memory. False skips the check (swap, or memory that will be freed meanwhile).
@@ -220,6 +221,10 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
     on_cpu = [E - n_gpu if by_id else E for E, _, _ in shapes]
     experts = sum(n * b for n, b in zip(on_cpu, per))
     held = max(n * b for n, b in zip(on_cpu, per))  # a block's stacks beside their packed copy
+    if device.type == "cuda" and n_gpu:  # the kept experts' float weights are read on the host first, beside a
+        # block's CPU stacks (ids) or beside the subset copy of its CPU experts (a count, keep_on_device)
+        held = max(held, max((E - n_gpu) * b + n_gpu * f
+                             for (E, _, _), b, f in zip(shapes, per, sizes["expert_float"])))
     gpu = n_gpu * sum(sizes["expert_float"])
     host = experts + held + (other + gpu if device.type == "cpu" else 0)
     avail = _cpu.mem_available_bytes()
