@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
   const double floor_us = median_us([] { empty_kernel<<<1, 32>>>(); });
   std::printf("%s, %d SMs; floor (an empty kernel, timed the same way): %.2f us; median of %d\n", prop.name, sms,
               floor_us, reps);
-  std::printf("%-11s %-8s %5s %-18s %5s %9s %8s %15s   CTA ends, us from the first start: first p50 last\n",
-              "bytes", "schedule", "hold", "ring", "grid", "us", "GB/s", "GB/s - floor");
+  std::printf("%-11s %-8s %5s %-18s %5s %9s %8s %15s   CTA ends, us from the first start: first p50 last\n", "bytes",
+              "schedule", "hold", "ring", "grid", "us", "GB/s", "GB/s - floor");
   struct Case {
     int regions, tokens;
   };
@@ -174,8 +174,17 @@ int main(int argc, char** argv) {
     const size_t region = size_t(c.tokens) * row, total = region * c.regions;
     for (const Config& g : configs) {
       const int grid = g.dynamic ? g.ctas_per_sm * sms : c.regions;
-      const Job job{buf, region, total, size_t(g.unit_kb) << 10, g.dynamic, g.stages, uint32_t(g.stage_kb) << 10,
-                    uint32_t(g.hold_ns), counter, ends, starts};
+      const Job job{buf,
+                    region,
+                    total,
+                    size_t(g.unit_kb) << 10,
+                    g.dynamic,
+                    g.stages,
+                    uint32_t(g.stage_kb) << 10,
+                    uint32_t(g.hold_ns),
+                    counter,
+                    ends,
+                    starts};
       const size_t smem = size_t(g.stages) * job.stage_bytes;
       const double us = median_us([&] { read_kernel<<<grid, 32, smem>>>(job); });
       std::vector<uint64_t> e(grid), s(grid);
