@@ -432,7 +432,7 @@ CUtensorMap tensor_map(const void* base, int64_t rows, int cols, int box_cols, C
 }
 
 // The loader for a configuration: the TMA on sm_90+ when tiles lie in one page and a CTA has 32
-// heads (with 16 heads the TMA ran small calls 3-5% faster than cp.async, and 128x8192x16 as fast on
+// heads (with 16 heads the TMA ran small calls 1-8% faster than cp.async, and 128x8192x16 as fast on
 // one H200 and 1.2% slower on another: docs/perf/mla_decode.md), unless the plan was asked to keep
 // cp.async. cc_major: the device's compute capability major.
 int choose_loader(int cc_major, int config, int page_size, bool allow_tma) {
