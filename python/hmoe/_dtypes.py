@@ -1,4 +1,4 @@
-"""torch dtype -> native dtype code (the codes of include/hmoe/constants.h)."""
+"""torch dtype -> native dtype code (the codes of include/hmoe/constants.h), and its name as messages give it."""
 from __future__ import annotations
 
 _CODES: dict = {}
@@ -20,3 +20,8 @@ def code(dtype) -> int:
         return _CODES[dtype]
     except KeyError:
         raise TypeError(f"dtype {dtype} has no native code") from None
+
+
+def name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).replace("torch.", "")

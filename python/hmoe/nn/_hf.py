@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from .. import quant as _quant
-from .._dtypes import code
+from .._dtypes import code, name as dtype_name
 from .._units import size_text as _size
 from ..hardware import cpu as _cpu
 from ..ops import experts as _experts
@@ -179,7 +179,7 @@ class PatchReport:
         packed = sum(b.packed_bytes for b in self.blocks)
         n_gpu = sum(len(b.gpu_experts) for b in self.blocks)
         n_all = sum(b.experts for b in self.blocks)
-        dtypes = sorted({str(b.dtype).replace("torch.", "") + (f" as {b.format}" if b.format in ("int8", "int4", "fp8")
+        dtypes = sorted({dtype_name(b.dtype) + (f" as {b.format}" if b.format in ("int8", "int4", "fp8")
                                                                else "") for b in self.blocks})
         sources = ', '.join(sorted({b.moved_from for b in self.blocks}))
         lines = [f"{self.who}: swapped {self.swapped} MoE blocks for HybridMoE"
@@ -266,7 +266,7 @@ def _format_totals(formats, dtype, block, shapes, mod) -> dict:
 def _host_memory_error(what: str, avail: int, quant, dtype, block, shapes, mod) -> MemoryError:
     """check_memory's MemoryError: `what` the load or swap needs, the host's available bytes, and the size of
     the CPU experts (shapes: per block (experts, H, I)) in the other formats."""
-    names = {None: "in " + str(dtype).replace("torch.", ""), "int8": "as int8 (per row)",
+    names = {None: "in " + dtype_name(dtype), "int8": "as int8 (per row)",
              "int4": "as int4 (groups of 128)"}
     totals = _format_totals([q for q in names if q != quant], dtype, block, shapes, mod)
     alt = [f"{names[q]} {_size(t[0])}" for q, t in totals.items() if t is not None]
@@ -299,7 +299,7 @@ def _check_swap_memory(blocks, gpu_experts, isa, quant, group_size) -> None:
         packed_all += packed
     avail = _cpu.mem_available_bytes()
     if avail and peak > avail:
-        fmt = quant or str(dtype).replace("torch.", "")
+        fmt = quant or dtype_name(dtype)
         raise _host_memory_error(
             f"hmoe.nn.patch_model: not enough host memory: the CPU experts take {_size(packed_all)} packed as {fmt} "
             f"({len(blocks)} MoE blocks), {_size(peak)} at the swap's peak (a block's experts copied to the host "

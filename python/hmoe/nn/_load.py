@@ -16,6 +16,8 @@ import sys
 import torch
 
 from .. import checkpoint
+from .._dtypes import name as dtype_name
+from .._units import size_text
 from ..hardware import cpu as _cpu
 from ..ops import experts as _experts
 from ..validation import is_int
@@ -228,26 +230,26 @@ def _check_memory(path, model, blocks, quant, group_size, dtype, block, isa, n_g
     gpu = n_gpu * sum(sizes["expert_float"])
     host = experts + held + (other + gpu if device.type == "cpu" else 0)
     avail = _cpu.mem_available_bytes()
-    fmt, size = quant or str(dtype).replace("torch.", ""), _hf._size
+    fmt = quant or dtype_name(dtype)
     if avail and host > avail:
-        on = f", and the model's other tensors {size(other + gpu)}" if device.type == "cpu" else ""
+        on = f", and the model's other tensors {size_text(other + gpu)}" if device.type == "cpu" else ""
         raise _hf._host_memory_error(
-            f"{WHO}: not enough host memory for {path!r}: its routed experts take {size(experts)} packed as {fmt} "
-            f"({len(blocks)} MoE blocks; {size(per[0])} an expert), {size(held)} more while a block is read{on}: "
-            f"{size(host)} in all", avail, quant, dtype, block, shapes, mod)
-    line = f"{WHO}: routed experts {size(experts)} packed as {fmt} on the CPU (+{size(held)} while a block is read"
-    line += f"; {size(avail)} available)" if avail else ")"
+            f"{WHO}: not enough host memory for {path!r}: its routed experts take {size_text(experts)} packed as {fmt} "
+            f"({len(blocks)} MoE blocks; {size_text(per[0])} an expert), {size_text(held)} more while a block is read{on}: "
+            f"{size_text(host)} in all", avail, quant, dtype, block, shapes, mod)
+    line = f"{WHO}: routed experts {size_text(experts)} packed as {fmt} on the CPU (+{size_text(held)} while a block is read"
+    line += f"; {size_text(avail)} available)" if avail else ")"
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         free, _ = torch.cuda.mem_get_info(device)
         if other + gpu > free:
-            kept = f", the {n_gpu} experts a block kept there {size(gpu)}" if gpu else ""
+            kept = f", the {n_gpu} experts a block kept there {size_text(gpu)}" if gpu else ""
             raise MemoryError(
                 f"{WHO}: not enough memory on {device} for {path!r}: the model's tensors other than the routed "
-                f"experts take {size(other)}{kept}, and {size(free)} of it is free; free some, keep fewer experts "
+                f"experts take {size_text(other)}{kept}, and {size_text(free)} of it is free; free some, keep fewer experts "
                 "there (gpu_experts=), or pass check_memory=False to go ahead anyway")
-        line += f"; {size(other + gpu)} onto {device} ({size(free)} free)"
+        line += f"; {size_text(other + gpu)} onto {device} ({size_text(free)} free)"
     if progress:
         print(line, file=sys.stderr, flush=True)
 
@@ -267,10 +269,10 @@ def memory_needs(path: str, dtype=torch.bfloat16, isa: str | None = None) -> dic
         for d in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(d)
             devices.append({"device": f"cuda:{d}", "free_bytes": free, "total_bytes": total})
-    return {"path": path, "model_type": config.model_type, "dtype": str(dtype).replace("torch.", ""),
+    return {"path": path, "model_type": config.model_type, "dtype": dtype_name(dtype),
             "moe_blocks": len(shapes), "experts": E, "hidden_size": H, "intermediate_size": I,
             "fp8_block": list(block),
-            "formats": {q or str(dtype).replace("torch.", ""): None if t is None else
+            "formats": {q or dtype_name(dtype): None if t is None else
                         {"experts_bytes": t[0], "block_bytes": t[1]} for q, t in totals.items()},
             "other_bytes": sizes["other"], "expert_float_bytes": sizes["expert_float"][0],
             "host_available_bytes": _cpu.mem_available_bytes(), "devices": devices}
