@@ -22,17 +22,12 @@
 #include <vector>
 
 #include "attention/mbarrier.cuh"
+#include "common/cuda_util.h"
 
 using namespace hmoe::attn::sm90;
 
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    const cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+// A CUDA error ends the tool with its name and description (cuda_util.h's check_cuda).
+#define CHECK(x) hmoe::check_cuda((x), "read_peak", #x)
 
 namespace {
 
