@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hmoe.bench import mla as bench  # noqa: E402
+from tests.bench.gpu_fakes import fake_timing  # noqa: E402
 from tests.ops.mla_reference import make_cache, mla_reference  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def test_flop_and_byte_accounting():
     assert bench.bytes_moved(bench.Shape(128, 8192, 16)) > 1.2e9  # the largest cache, as the brief says
 
 
-def test_floor_is_the_slower_of_bytes_and_flops(monkeypatch):
+def test_floor_is_the_slower_of_bytes_and_flops():
     # 16 heads: bandwidth-bound; 128 heads: compute-bound at these rates (ridge at 806e3 / 4277 = 188 FLOP/B)
     s16, s128 = bench.Shape(64, 4096, 16), bench.Shape(64, 4096, 128)
     us, by = bench.floor_us(s16, 4277.0, 806.0)
@@ -56,8 +57,7 @@ def test_floor_is_the_slower_of_bytes_and_flops(monkeypatch):
     us, by = bench.floor_us(s128, 4277.0, 806.0)
     assert by == "FLOPs" and us == pytest.approx(bench.flops(s128) / 806e6)
     assert 90 < us < 91  # the 90.6 us of the H200 table in docs/perf/mla_decode.md
-    monkeypatch.setattr(bench, "time_calls", lambda fn, opts, flush: {"us": 2 * us, "timing": "graph"})
-    res = bench.measure(None, s128, None, None, 4277.0, 806.0)
+    res = bench.derive({"us": 2 * us, "timing": "graph"}, s128, 4277.0, 806.0)
     assert (res["floor_by"], res["x_floor"]) == ("FLOPs", pytest.approx(2.0))
     assert res["floor_us"] == pytest.approx(us) and res["tflops"] == pytest.approx(403.0)
     assert res["copy_frac"] == pytest.approx(bench.bytes_moved(s128) / (2 * us * 1e3) / 4277.0)
@@ -122,27 +122,20 @@ class FakeWrapper:
 
 
 def fake_run(monkeypatch, hmoe_out, fi_skip=None, **opts):
-    """run_shape on the CPU with the GPU parts faked: measure() calls once and reports fixed times."""
-    times = {"hmoe": 10.0, "fa2": 15.0, "fa3": 12.0}
-
-    def measure(fn, s, opts, flush, copy_gbps, peak_tflops):
-        FakeWrapper.last = None
-        fn()
-        us = times[FakeWrapper.last or "hmoe"]
-        return {"us": us, "timing": "graph", "timing_note": None, "gbps": bench.bytes_moved(s) / (us * 1e3),
-                "tflops": bench.flops(s) / (us * 1e6), "copy_frac": 0.5}
+    """run_shape on the CPU with the GPU parts faked: hmoe 10 us, fa2 15 us, fa3 12 us a call."""
 
     def hmoe_runner(inp, opts):
         out = hmoe_out(inp)
         return (lambda: None), out
 
-    monkeypatch.setattr(bench, "measure", measure)
+    fake_timing(monkeypatch, FakeWrapper, {"hmoe": 10.0, "fa2": 15.0, "fa3": 12.0})
     monkeypatch.setattr(bench, "hmoe_runner", hmoe_runner)
     monkeypatch.setattr(bench, "hmoe_route", lambda inp, opts: ("portable", "1 KV split(s), ..."))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     fi = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper))
-    o = types.SimpleNamespace(dtype="bf16", page_size=16, device=torch.device("cpu"), seed=3, eager=False, variant=None)
+    o = types.SimpleNamespace(dtype="bf16", page_size=16, device=torch.device("cpu"), seed=3, eager=False, variant=None,
+                              repeats=5, rounds=3, warmup=1)
     vars(o).update(opts)
     return bench.run_shape(bench.Shape(3, 70, 4), o, fi, fi_skip or {}, 1000.0, 500.0, None, lambda m: None)
 

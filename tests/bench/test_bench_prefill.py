@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from hmoe import _reference  # noqa: E402
 from hmoe.bench import prefill as bench  # noqa: E402
+from tests.bench.gpu_fakes import fake_timing  # noqa: E402
 
 
 def test_parse_args_defaults_and_cases():
@@ -86,28 +87,21 @@ class FakeWrapper:
         return out
 
 
-def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,)):
+def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,), calls=None):
     """The rows of one case run with fakes: hmoe's output from hmoe_out(inp, c) (hmoe 10 us, or
     8 us for a variant named 'fast'), flashinfer's from the fake wrapper (fa2 15 us, fa3 12 us)."""
-    times = {"hmoe": 10.0, "fa2": 15.0, "fa3": 12.0}
-
-    def measure(fn, c, opts, flush, peak):
-        FakeWrapper.last = None
-        got = fn()
-        us = 8.0 if FakeWrapper.last is None and got == "fast" else times[FakeWrapper.last or "hmoe"]
-        return {"us": us, "timing": "graph", "timing_note": None, "tflops": bench.flops(c) / (us * 1e6),
-                "floor_us": 1.0, "x_floor": us}
 
     def hmoe_runner(inp, c, variant):
         return (lambda: variant), hmoe_out(inp, c)
 
-    monkeypatch.setattr(bench, "measure", measure)
+    fake_timing(monkeypatch, FakeWrapper, {"hmoe": 10.0, "fast": 8.0, "fa2": 15.0, "fa3": 12.0}, calls)
     monkeypatch.setattr(bench, "hmoe_runner", hmoe_runner)
     monkeypatch.setattr(bench, "hmoe_plan", lambda *a: "a plan")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     fi = types.SimpleNamespace(prefill=types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=FakeWrapper))
-    o = types.SimpleNamespace(dtype="bf16", device=torch.device("cpu"), seed=3, eager=False, variants=list(variants))
+    o = types.SimpleNamespace(dtype="bf16", device=torch.device("cpu"), seed=3, eager=False, variants=list(variants),
+                              repeats=7, rounds=3, warmup=0)
     c = bench.Case("t", [20, 0, 33], 64, 64, 3, 1, True)
     rows = bench.run_case(c, o, fi, fi_skip or {}, 800.0, None, lambda m: None)
     return rows if len(variants) > 1 else rows[0]
@@ -134,7 +128,11 @@ def test_run_case_checks_against_reference_and_flashinfer(monkeypatch):
 
 
 def test_every_variant_is_a_row_beside_one_flashinfer_timing(monkeypatch):
-    rows = fake_run(monkeypatch, right, variants=("slow", "fast"))
+    calls = []
+    rows = fake_run(monkeypatch, right, variants=("slow", "fast"), calls=calls)
+    # the variants and the backends take turns: 3 rounds, 7 calls each as 3 + 2 + 2
+    assert calls == [("hmoe", 3), ("fast", 3), ("fa2", 3), ("fa3", 3), ("fast", 2), ("fa2", 2), ("fa3", 2),
+                     ("hmoe", 2), ("fa2", 2), ("fa3", 2), ("hmoe", 2), ("fast", 2)]
     assert [r["variant"] for r in rows] == ["slow", "fast"] and not any(r["failed"] for r in rows)
     assert [r["flashinfer"]["fa3"]["speedup"] for r in rows] == [1.2, 1.5]
     assert {ch["what"] for ch in rows[1]["checks"]} == {"hmoe vs ref", "fa2 vs ref", "fa3 vs ref", "hmoe vs fa2",

@@ -36,26 +36,110 @@ def load_flashinfer(submodule: str):
     return flashinfer, None
 
 
-def time_calls(fn, opts, flush) -> dict:
-    """Median microseconds over opts.repeats (after opts.warmup) with the L2 flushed before each:
-    CUDA-graph replays (fn has run eagerly once: its lazy work is done) unless opts.eager or capture
-    fails (then eager calls, said in timing_note). The flush queued ahead keeps the GPU busy while
-    the CPU launches, so launch latency does not enter the times."""
+ROUNDS = 3  # the default of --rounds
+# What the progress line says while a flashinfer backend is set up (time_all's notes).
+FLASHINFER_NOTES = {b: "flashinfer: a backend's first use may JIT-compile for minutes" for b in ("fa2", "fa3")}
+
+
+def add_timing_args(p, repeats: int) -> None:
+    """--repeats (default `repeats`), --rounds, --warmup and --eager: how bench mla and bench
+    prefill time their calls."""
+    p.add_argument("--repeats", type=int, default=repeats, help=f"timed calls per implementation (default {repeats})")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"the implementations of a row take turns, each timing about repeats / rounds calls a "
+                        f"round; the median is over all of them (default {ROUNDS})")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before each turn (default 3)")
+    p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+
+
+def check_timing_args(p, opts) -> None:
+    if opts.repeats < 1 or opts.rounds < 1 or opts.warmup < 0:
+        p.error("--repeats and --rounds must be positive, --warmup >= 0")
+
+
+def timing_text(opts) -> str:
+    """What the benches say about their timing method (the header and the JSON's meta)."""
+    how = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
+    rounds = min(opts.rounds, opts.repeats)
+    turns = f", the implementations of a row taking turns in {rounds} rounds" if rounds > 1 else ""
+    return (f"{how}; CUDA events; median over {opts.repeats} calls{turns}; L2 flushed (reading 4x its size) "
+            "before each")
+
+
+def prepare(fn, opts) -> tuple:
+    """(run, timing, note): a CUDA graph of fn (which has run eagerly once: its lazy work is done)
+    and its replay, unless opts.eager or capture fails (then fn itself, said in the note)."""
     import torch
 
-    graph, timing, note = None, "eager", None
-    if not opts.eager:
+    if opts.eager:
+        return fn, "eager", None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager timing
+        return fn, "eager", f"graph capture failed ({error_text(e)}); timed eager calls"
+    return graph.replay, "graph", None
+
+
+def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None = None) -> tuple[dict, dict]:
+    """Times the implementations of one table row on the same inputs. impls: name -> factory,
+    which returns (fn, out) after one eager call of fn. All are set up first (`prepare`); then
+    they take turns in opts.rounds rounds (the order rotated each round), each turn opts.warmup
+    untimed calls and about repeats / rounds timed ones with the L2 flushed before each, so that a
+    change of the GPU's state during the row (its clocks, a neighbour's load) falls on every
+    implementation alike. The flush queued ahead keeps the GPU busy while the CPU launches, so
+    launch latency does not enter the times.
+    Returns ({name: result}, {name: out}): a result holds the median and min microseconds over all
+    of the implementation's calls, every sample, the timing and its note; or {"error": text} where
+    its setup or a call failed (a failure is a table cell, never a crash; it has no out)."""
+    results, outs, runs = {}, {}, {}
+    for name, factory in impls.items():
         try:
-            graph, timing = torch.cuda.CUDAGraph(), "graph"
-            with torch.cuda.graph(graph):
-                fn()
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager timing
-            graph, timing, note = None, "eager", f"graph capture failed ({error_text(e)}); timed eager calls"
-    run = graph.replay if graph is not None else fn
-    for _ in range(opts.warmup):
-        run()
-    us = [1e3 * ms for ms in membw.cuda_event_ms(run, opts.repeats, before=flush)]
-    return {"us": statistics.median(us), "us_min": min(us), "us_all": us, "timing": timing, "timing_note": note}
+            progress(f"{label}: {name}" + (f" ({notes[name]})" if notes and name in notes else ""))
+            fn, out = factory()
+            runs[name] = prepare(fn, opts)
+            outs[name] = out
+        except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
+            results[name] = {"error": error_text(e)}
+    rounds = max(1, min(opts.rounds, opts.repeats))
+    samples = {name: [] for name in runs}
+    for r in range(rounds):
+        calls = opts.repeats // rounds + (r < opts.repeats % rounds)
+        names = list(runs)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in results:
+                continue  # failed in an earlier turn
+            run = runs[name][0]
+            try:
+                for _ in range(opts.warmup):
+                    run()
+                samples[name] += [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush)]
+            except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
+                results[name] = {"error": error_text(e)}
+                outs.pop(name, None)
+    for name, (_, timing, note) in runs.items():
+        if name not in results:
+            us = samples[name]
+            results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "timing": timing,
+                             "timing_note": note}
+    return results, outs
+
+
+def fill_row(row: dict, results: dict, hmoe: str, backends, derive) -> None:
+    """row["hmoe"] from results[hmoe] and row["flashinfer"][b] from results[b] for each backend
+    that has a result (a skipped one already holds its reason): derive(result) adds what follows
+    from the time; each flashinfer time gets hmoe's speedup over it."""
+    res = results[hmoe]
+    row["hmoe"] = derive(res) if "us" in res else dict(res)
+    for backend in backends:
+        if backend not in results:
+            continue
+        res = results[backend]
+        res = derive(res) if "us" in res else dict(res)
+        if "us" in res and "us" in row["hmoe"]:
+            res["speedup"] = res["us"] / row["hmoe"]["us"]  # > 1: hmoe is faster
+        row["flashinfer"][backend] = res
 
 
 def check_cell(row: dict) -> str:
@@ -91,34 +175,6 @@ def format_row(row: dict, columns) -> str:
     for name, res in [("hmoe", row["hmoe"])] + list(row["flashinfer"].items()):
         lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
     return "\n".join(lines)
-
-
-def time_implementations(row: dict, label: str, progress, hmoe_run, flashinfer_run, backends, fi_skip: dict,
-                         measure) -> dict:
-    """Fills row["hmoe"] and row["flashinfer"][backend]: each implementation timed by measure(fn) on
-    the same inputs (hmoe_run() and flashinfer_run(backend) return (fn, out) after one eager call);
-    a failure is a table cell, never a crash. Returns the outputs by implementation."""
-    outs = {}
-    try:
-        progress(f"{label}: hmoe")
-        fn, out = hmoe_run()
-        row["hmoe"], outs["hmoe"] = measure(fn), out
-    except Exception as e:  # noqa: BLE001 - reported in the table; flashinfer still runs
-        row["hmoe"] = {"error": error_text(e)}
-    for backend in backends:
-        if backend in fi_skip:
-            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
-            continue
-        try:
-            progress(f"{label}: flashinfer {backend} (a backend's first use may JIT-compile for minutes)")
-            fn, out = flashinfer_run(backend)
-            res = measure(fn)
-            if "us" in row["hmoe"]:
-                res["speedup"] = res["us"] / row["hmoe"]["us"]  # > 1: hmoe is faster
-            row["flashinfer"][backend], outs[backend] = res, out
-        except Exception as e:  # noqa: BLE001 - a flashinfer failure is a table cell, never a crash
-            row["flashinfer"][backend] = {"error": error_text(e)}
-    return outs
 
 
 def check_outputs(row: dict, outs: dict, ref_err, tol: float) -> None:

@@ -10,7 +10,7 @@ import types
 
 from hmoe.bench import membw
 from hmoe.bench import _gpu_bench
-from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err, time_calls
+from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err
 from hmoe.bench._report import output_file, positive_int, progress, table_header
 from hmoe.ops.mla import D_CKV, D_PE
 from hmoe import _reference
@@ -84,13 +84,9 @@ def floor_us(s: Shape, copy_gbps: float, peak_tflops: float) -> tuple[float, str
     return (by_bytes, "bytes") if by_bytes >= by_flops else (by_flops, "FLOPs")
 
 
-def measure(fn, s: Shape, opts, flush, copy_gbps: float, peak_tflops: float) -> dict:
-    """Median microseconds over --repeats with L2 flushed before each, and what follows from them
-    (GB/s, TFLOP/s, the share of the copy bandwidth, the floor and the time over it).
-    CUDA-graph replays (fn has run eagerly once: its lazy work is done) unless --eager or capture
-    fails (then eager calls, said in timing_note). The flush queued ahead keeps the GPU busy while
-    the CPU launches, so launch latency does not enter the times."""
-    res = time_calls(fn, opts, flush)
+def derive(res: dict, s: Shape, copy_gbps: float, peak_tflops: float) -> dict:
+    """A timing result (_gpu_bench.time_all) with what follows from its median: GB/s, TFLOP/s, the
+    share of the copy bandwidth, the floor and the time over it."""
     med = res["us"]
     gbps = bytes_moved(s) / (med * 1e3)
     floor, by = floor_us(s, copy_gbps, peak_tflops)
@@ -151,7 +147,7 @@ def flashinfer_runner(fi, backend: str, inp, page_size: int, use_graph: bool):
 
 
 def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, peak_tflops: float, flush, progress) -> dict:
-    """One table row: hmoe, then each flashinfer backend, on the same inputs; then the checks."""
+    """One table row: hmoe and each flashinfer backend timed on the same inputs, taking turns; then the checks."""
     import torch
 
     row = {"shape": s.name, "B": s.B, "S": s.S, "H": s.H, "dtype": opts.dtype, "page_size": opts.page_size,
@@ -160,10 +156,14 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, peak_tflops: 
     progress(f"{s.name}: building a {s.B * s.S * (D_CKV + D_PE) * 2 / 1e9:.2f} GB paged cache")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     inp = make_inputs(s, opts.page_size, dtype, opts.device, opts.seed)
-    outs = _gpu_bench.time_implementations(
-        row, s.name, progress, lambda: hmoe_runner(inp, opts),
-        lambda backend: flashinfer_runner(fi, backend, inp, opts.page_size, use_graph=not opts.eager),
-        BACKENDS if fi is not None else (), fi_skip, lambda fn: measure(fn, s, opts, flush, copy_gbps, peak_tflops))
+    impls = {"hmoe": lambda: hmoe_runner(inp, opts)}
+    for backend in BACKENDS if fi is not None else ():
+        if backend in fi_skip:
+            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
+        else:
+            impls[backend] = lambda b=backend: flashinfer_runner(fi, b, inp, opts.page_size, use_graph=not opts.eager)
+    results, outs = _gpu_bench.time_all(impls, opts, flush, progress, s.name, notes=_gpu_bench.FLASHINFER_NOTES)
+    _gpu_bench.fill_row(row, results, "hmoe", BACKENDS, lambda res: derive(res, s, copy_gbps, peak_tflops))
     if "error" not in row["hmoe"]:
         row["hmoe"]["variant"], row["hmoe"]["plan"] = hmoe_route(inp, opts)
     torch.cuda.synchronize()
@@ -234,8 +234,6 @@ def parse_args(argv, prog):
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of BxSxH (default {DEFAULT_SHAPES})")
     p.add_argument("--dtype", default="bf16", choices=tuple(TOLERANCE))
     p.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
-    p.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     p.add_argument("--variant", default=None, help="force an hmoe CUDA variant (passed to mla_decode; a shape its family "
                    "declines fails its row with the reason). Default: hmoe's choice per shape (the variant column)")
     p.add_argument("--config", type=int, default=None,
@@ -243,7 +241,7 @@ def parse_args(argv, prog):
     p.add_argument("--no-tma", action="store_true",
                    help="load the cache with cp.async where the TMA would be used (sets HMOE_MLA_TMA=0)")
     p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
-    p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    _gpu_bench.add_timing_args(p, repeats=30)
     p.add_argument("--copy-mib", type=positive_int, default=None, help="copy-bandwidth buffer in MiB (default 2048)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
@@ -254,8 +252,9 @@ def parse_args(argv, prog):
         opts.shape_list = parse_shapes(opts.shapes)
     except ValueError as e:
         p.error(str(e))
-    if opts.page_size < 1 or opts.repeats < 1 or opts.warmup < 0:
-        p.error("--page-size and --repeats must be positive, --warmup >= 0")
+    if opts.page_size < 1:
+        p.error("--page-size must be positive")
+    _gpu_bench.check_timing_args(p, opts)
     return opts
 
 
@@ -297,14 +296,12 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
     progress("measuring copy bandwidth and bf16 matmul peak")
     copy = membw.gpu_copy_bandwidth(dev, (opts.copy_mib << 20) if opts.copy_mib else None)
     peak = membw.gpu_matmul_tflops(dev)
-    timing = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
     meta = {"gpu": props.name, "cc": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count,
             "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__, "cuda": torch.version.cuda,
             "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
             "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why, "flashinfer_skipped": fi_skip,
             "dtype": opts.dtype, "page_size": opts.page_size, "sm_scale": SM_SCALE, "repeats": opts.repeats,
-            "warmup": opts.warmup,
-            "timing": f"{timing}; CUDA events; median over repeats; L2 flushed (reading 4x its size) before each"}
+            "rounds": opts.rounds, "warmup": opts.warmup, "timing": _gpu_bench.timing_text(opts)}
     print(f"hmoe.bench mla  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 "
           f"{(meta['l2_bytes'] or 0) / 2**20:.0f} MiB)  torch {torch.__version__}  hmoe {meta['hmoe']}  flashinfer "
           f"{meta['flashinfer'] or 'unavailable: ' + str(fi_why)}" + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))

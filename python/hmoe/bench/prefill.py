@@ -11,7 +11,7 @@ from hmoe import _reference
 from hmoe.backends.flashinfer import HOPPER
 from hmoe.bench import membw
 from hmoe.bench import _gpu_bench
-from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err, time_calls
+from hmoe.bench._gpu_bench import check_cell, error_text, fi_cell, hm_cell, load_flashinfer, rel_err
 from hmoe.bench._report import output_file, progress, table_header
 
 # Named batches of sequences (queries = keys per request: a prompt's prefill): 16k tokens each.
@@ -92,11 +92,9 @@ def reference(inp, c: Case, heads):
                               heads=heads)[0]
 
 
-def measure(fn, c: Case, opts, flush, peak_tflops: float) -> dict:
-    """Median microseconds over --repeats (L2 flushed before each) and what follows: TFLOP/s, the
-    floor (FLOPs at the measured matmul rate) and the time over it. CUDA-graph replays unless
-    --eager or capture fails (said in timing_note)."""
-    res = time_calls(fn, opts, flush)
+def derive(res: dict, c: Case, peak_tflops: float) -> dict:
+    """A timing result (_gpu_bench.time_all) with what follows from its median: TFLOP/s, the floor
+    (FLOPs at the measured matmul rate) and the time over it."""
     med = res["us"]
     floor = flops(c) / (peak_tflops * 1e6)
     return dict(res, tflops=flops(c) / (med * 1e6), floor_us=floor, x_floor=med / floor)
@@ -142,43 +140,36 @@ def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
 
 
 def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progress) -> list[dict]:
-    """The case's table rows, one per hmoe variant of opts.variants (None: hmoe's choice) on the
-    same inputs: the first row also times each flashinfer backend, the others compare with those
-    timings and outputs; then the checks of each row."""
+    """The case's table rows, one per hmoe variant of opts.variants (None: hmoe's choice), each
+    beside the same flashinfer timings: every variant and backend is timed on the same inputs,
+    taking turns (_gpu_bench.time_all); then the checks of each row."""
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     inp = make_inputs(c, dtype, opts.device, opts.seed)
     heads, tol = check_heads(c.H), TOLERANCE[opts.dtype]
-    ref, rows, fi_outs = None, [], {}
+    names = {variant: f"hmoe {variant}" if variant else "hmoe" for variant in opts.variants}
+    impls = {names[v]: (lambda v=v: hmoe_runner(inp, c, v)) for v in opts.variants}
+    backends = getattr(opts, "backend_list", BACKENDS) if fi is not None else ()
+    skipped = {b: {"skipped": fi_skip[b]} for b in backends if b in fi_skip}
+    for backend in backends:
+        if backend not in skipped:
+            impls[backend] = lambda b=backend: flashinfer_runner(fi, b, inp, c, use_graph=not opts.eager)
+    results, outs = _gpu_bench.time_all(impls, opts, flush, progress, c.label, notes=_gpu_bench.FLASHINFER_NOTES)
+    fi_outs = {b: outs[b] for b in backends if b in outs}
+    torch.cuda.synchronize()
+    ref, rows = reference(inp, c, heads), []
     for variant in opts.variants:
         row = {"case": c.label, "variant": variant or "hmoe", "lens": c.lens, "dqk": c.dqk, "dv": c.dv, "H": c.H,
                "Hkv": c.Hkv, "causal": c.causal, "dtype": opts.dtype, "flops": flops(c), "bytes": bytes_moved(c),
-               "hmoe": {}, "flashinfer": {}, "checks": []}
-        first = not rows
-        outs = _gpu_bench.time_implementations(
-            row, f"{c.label} {row['variant']}", progress, lambda: hmoe_runner(inp, c, variant),
-            lambda backend: flashinfer_runner(fi, backend, inp, c, use_graph=not opts.eager),
-            getattr(opts, "backend_list", BACKENDS) if fi is not None and first else (), fi_skip,
-            lambda fn: measure(fn, c, opts, flush, peak_tflops))
-        if first:
-            fi_outs = {b: out for b, out in outs.items() if b != "hmoe"}
-        else:  # flashinfer was timed beside the first variant: the same numbers and outputs
-            for backend, res in rows[0]["flashinfer"].items():
-                res = {k: v for k, v in res.items() if k != "speedup"}
-                if "us" in res and "us" in row["hmoe"]:
-                    res["speedup"] = res["us"] / row["hmoe"]["us"]
-                row["flashinfer"][backend] = res
-            outs.update(fi_outs)
+               "hmoe": {}, "flashinfer": {b: dict(r) for b, r in skipped.items()}, "checks": []}
+        _gpu_bench.fill_row(row, results, names[variant], backends, lambda res: derive(res, c, peak_tflops))
         if "error" not in row["hmoe"]:
             row["hmoe"]["plan"] = hmoe_plan(inp, c, opts, variant)
-        torch.cuda.synchronize()
-        if ref is None:
-            ref = reference(inp, c, heads)
-        _gpu_bench.check_outputs(row, outs, lambda out: rel_err(out[:, heads], ref), tol)
+        checked = dict(fi_outs, **({"hmoe": outs[names[variant]]} if names[variant] in outs else {}))
+        _gpu_bench.check_outputs(row, checked, lambda out: rel_err(out[:, heads], ref), tol)
         rows.append(row)
-        outs = None
-    inp = fi_outs = ref = None  # freed before empty_cache
+    inp = outs = fi_outs = ref = checked = None  # freed before empty_cache
     torch.cuda.empty_cache()
     return rows
 
@@ -242,8 +233,7 @@ def parse_args(argv, prog):
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--dtype", default="bf16", choices=tuple(TOLERANCE))
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    _gpu_bench.add_timing_args(p, repeats=20)
     p.add_argument("--variant", default=None,
                    help="comma list of hmoe CUDA variants to time, each its own row (passed to ragged_prefill); "
                         "default: every variant of this build that runs on the GPU, hmoe's choice first")
@@ -253,7 +243,6 @@ def parse_args(argv, prog):
     p.add_argument("--no-flashinfer", action="store_true", help="time hmoe only")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"flashinfer backends to time, comma list of {', '.join(BACKENDS)} (default all)")
-    p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", type=output_file, help="also write every number to PATH as JSON")
     opts = p.parse_args(argv)
@@ -270,8 +259,7 @@ def parse_args(argv, prog):
     kv_heads = opts.kv_heads or opts.heads
     if opts.heads < 1 or kv_heads < 1 or opts.heads % kv_heads:
         p.error("--heads must be a positive multiple of --kv-heads")
-    if opts.repeats < 1 or opts.warmup < 0:
-        p.error("--repeats must be positive, --warmup >= 0")
+    _gpu_bench.check_timing_args(p, opts)
     opts.cases = [Case(name, L, dqk, dv, opts.heads, kv_heads, not opts.no_causal) for dqk, dv in dims
                   for name, L in lens]
     return opts
@@ -300,13 +288,11 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
     opts.variants, selection = hmoe_variants(dev.index, opts.variant)
     progress("measuring the bf16 matmul rate")
     peak = membw.gpu_matmul_tflops(dev)
-    timing = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
     meta = {"gpu": props.name, "cc": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
             "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why,
-            "flashinfer_skipped": fi_skip, "dtype": opts.dtype, "repeats": opts.repeats, "warmup": opts.warmup,
-            "check_heads": "first, middle and last query head",
-            "timing": f"{timing}; CUDA events; median over repeats; L2 flushed (reading 4x its size) before each"}
+            "flashinfer_skipped": fi_skip, "dtype": opts.dtype, "repeats": opts.repeats, "rounds": opts.rounds,
+            "warmup": opts.warmup, "check_heads": "first, middle and last query head", "timing": _gpu_bench.timing_text(opts)}
     print(f"hmoe.bench prefill  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs)  torch "
           f"{torch.__version__}  hmoe {meta['hmoe']}  flashinfer {meta['flashinfer'] or 'unavailable: ' + str(fi_why)}"
           + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))

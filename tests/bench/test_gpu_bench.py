@@ -1,0 +1,115 @@
+# Tests for the timing that bench mla and bench prefill share (hmoe.bench._gpu_bench.time_all), GPU faked.
+import types
+
+import pytest
+
+from hmoe.bench import _gpu_bench, membw
+
+
+def opts(**kw):
+    return types.SimpleNamespace(**dict(dict(repeats=7, rounds=3, warmup=1, eager=False), **kw))
+
+
+def timed(monkeypatch, us_of, fail=None):
+    """time_all over three fake implementations a, b, c (a 10 us, b 15, c 12 a call, times us_of(name,
+    block, base) for the block-th timed block of the row); `fail`: (name, block) whose call raises.
+    Returns (blocks: [(name, timed calls, untimed calls before them)], time_all(opts) -> (results,
+    outs), impl(name) -> the (run, out) of one implementation)."""
+    base = {"a": 10.0, "b": 15.0, "c": 12.0}
+    blocks, untimed = [], {n: 0 for n in base}
+
+    def impl(name):
+        def run():
+            if fail == (name, len(blocks)):
+                raise RuntimeError(f"{name} failed\ndetails")
+            untimed[name] += 1
+        run.name = name
+        return run, f"out of {name}"
+
+    def cuda_event_ms(run, repeats, before=None):
+        name = run.name
+        blocks.append((name, repeats, untimed[name]))
+        untimed[name] = 0
+        run()
+        untimed[name] = 0
+        return [us_of(name, len(blocks) - 1, base[name]) / 1e3] * repeats
+
+    monkeypatch.setattr(_gpu_bench, "prepare", lambda fn, o: (fn, "graph", None))
+    monkeypatch.setattr(membw, "cuda_event_ms", cuda_event_ms)
+    return blocks, lambda o: _gpu_bench.time_all({n: (lambda n=n: impl(n)) for n in base}, o, None,
+                                                 lambda m: None, "row"), impl
+
+
+def test_implementations_take_turns_in_rotated_rounds(monkeypatch):
+    blocks, time_all, _ = timed(monkeypatch, lambda name, block, us: us)
+    results, outs = time_all(opts())
+    # round r starts with implementation r: 7 calls as 3 + 2 + 2, each turn after 1 untimed call
+    assert blocks == [("a", 3, 1), ("b", 3, 1), ("c", 3, 1), ("b", 2, 1), ("c", 2, 1), ("a", 2, 1),
+                      ("c", 2, 1), ("a", 2, 1), ("b", 2, 1)]
+    assert {n: r["us"] for n, r in results.items()} == {"a": 10.0, "b": 15.0, "c": 12.0}
+    assert all(len(r["us_all"]) == 7 and r["timing"] == "graph" for r in results.values())
+    assert outs == {"a": "out of a", "b": "out of b", "c": "out of c"}
+
+
+def test_more_rounds_than_calls_and_one_round(monkeypatch):
+    blocks, time_all, _ = timed(monkeypatch, lambda name, block, us: us)
+    time_all(opts(repeats=2, rounds=5, warmup=0))
+    assert blocks == [("a", 1, 0), ("b", 1, 0), ("c", 1, 0), ("b", 1, 0), ("c", 1, 0), ("a", 1, 0)]
+    blocks.clear()
+    time_all(opts(rounds=1))
+    assert blocks == [("a", 7, 1), ("b", 7, 1), ("c", 7, 1)]
+
+
+def test_a_change_of_the_gpus_state_falls_on_every_implementation(monkeypatch):
+    # every call twice as slow from the row's timed block `slow_from` on (clocks dropping, a neighbour's load)
+    slow_from = 1
+    blocks, time_all, _ = timed(monkeypatch, lambda name, block, us: us * (2 if block >= slow_from else 1))
+    one = time_all(opts(rounds=1))[0]  # a before the change, b and c after it: a false 3x and 2.4x
+    assert one["b"]["us"] / one["a"]["us"] == 3.0 and one["c"]["us"] / one["a"]["us"] == 2.4
+    blocks.clear()
+    slow_from = 3
+    turns = time_all(opts(repeats=9, rounds=3))[0]  # a third of each one's calls before the change
+    assert turns["b"]["us"] / turns["a"]["us"] == 1.5 and turns["c"]["us"] / turns["a"]["us"] == 1.2
+    assert (turns["a"]["us_min"], turns["a"]["us"]) == (10.0, 20.0)
+
+
+def test_failures_are_results_and_the_others_still_run(monkeypatch):
+    blocks, time_all, impl = timed(monkeypatch, lambda name, block, us: us, fail=("b", 3))  # b's second turn
+    results, outs = time_all(opts())
+    assert results["b"] == {"error": "RuntimeError: b failed"} and "b" not in outs
+    assert [n for n, _, _ in blocks] == ["a", "b", "c", "c", "a", "c", "a"]  # b failed in its warm-up, then sat out
+    assert results["a"]["us"] == 10.0 and len(results["c"]["us_all"]) == 7
+
+    def broken():
+        raise ValueError("no such variant\nmore")
+
+    results, outs = _gpu_bench.time_all({"x": broken, "c": lambda: impl("c")}, opts(), None, lambda m: None, "row")
+    assert results["x"] == {"error": "ValueError: no such variant"} and outs == {"c": "out of c"}
+    assert results["c"]["us"] == 12.0
+
+
+def test_fill_row_derives_and_compares():
+    row = {"hmoe": {}, "flashinfer": {"fa3": {"skipped": "needs sm_90"}}}
+    results = {"hmoe v": {"us": 10.0}, "fa2": {"us": 15.0}, "fa3": {"error": "never run"}}
+    _gpu_bench.fill_row(row, results, "hmoe v", ("fa2", "fa3", "fa4"), lambda r: dict(r, double=2 * r["us"]))
+    assert row["hmoe"] == {"us": 10.0, "double": 20.0}
+    assert row["flashinfer"] == {"fa2": {"us": 15.0, "double": 30.0, "speedup": 1.5}, "fa3": {"error": "never run"}}
+    row = {"hmoe": {}, "flashinfer": {}}
+    _gpu_bench.fill_row(row, {"hmoe": {"error": "E"}, "fa2": {"us": 15.0}}, "hmoe", ("fa2",), lambda r: r)
+    assert row["hmoe"] == {"error": "E"} and row["flashinfer"]["fa2"] == {"us": 15.0}
+
+
+@pytest.mark.parametrize("argv, message", [(["--rounds", "0"], "--rounds"), (["--repeats", "0"], "--repeats"),
+                                           (["--warmup", "-1"], "--warmup")])
+def test_timing_args(argv, message, capsys):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="prog")
+    _gpu_bench.add_timing_args(p, repeats=20)
+    o = p.parse_args([])
+    assert (o.repeats, o.rounds, o.warmup, o.eager) == (20, 3, 3, False)
+    assert "taking turns in 3 rounds" in _gpu_bench.timing_text(o)
+    assert "turns" not in _gpu_bench.timing_text(p.parse_args(["--rounds", "1"]))
+    with pytest.raises(SystemExit) as e:
+        _gpu_bench.check_timing_args(p, p.parse_args(argv))
+    assert e.value.code == 2 and message in capsys.readouterr().err
