@@ -1,5 +1,7 @@
 # Tests for the timing that bench mla and bench prefill share (hmoe.bench._gpu_bench.time_all), GPU faked.
+import gc
 import types
+import weakref
 
 import pytest
 
@@ -113,3 +115,28 @@ def test_timing_args(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         _gpu_bench.check_timing_args(p, p.parse_args(argv))
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_implementation_outlives_its_graph(monkeypatch):
+    # a graph replays memory that only fn's closure holds (a flashinfer wrapper's workspace): freed,
+    # the next implementation's allocations took it and the replays read garbage or faulted
+    class Fn:  # an implementation's fn, holding what its graph uses
+        def __call__(self):
+            return None
+
+    made, alive = [], []
+
+    def factory():
+        fn = Fn()
+        made.append(weakref.ref(fn))
+        return fn, None
+
+    def cuda_event_ms(run, repeats, before=None):
+        gc.collect()
+        alive.append(all(ref() is not None for ref in made))
+        return [1e-3] * repeats
+
+    monkeypatch.setattr(_gpu_bench, "prepare", lambda fn, o: ((lambda: None), "graph", None))  # a graph's replay
+    monkeypatch.setattr(membw, "cuda_event_ms", cuda_event_ms)
+    results, _ = _gpu_bench.time_all({"a": factory, "b": factory}, opts(), None, lambda m: None, "row")
+    assert len(made) == 2 and alive == [True] * 6 and results["a"]["us"] == 1.0

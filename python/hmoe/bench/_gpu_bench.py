@@ -68,7 +68,9 @@ def timing_text(opts) -> str:
 
 def prepare(fn, opts) -> tuple:
     """(run, timing, note): a CUDA graph of fn (which has run eagerly once: its lazy work is done)
-    and its replay, unless opts.eager or capture fails (then fn itself, said in the note)."""
+    and its replay, unless opts.eager or capture fails (then fn itself, said in the note). The
+    graph replays memory that only fn's closure holds (a flashinfer wrapper's workspace and
+    buffers): the caller keeps fn alive as long as it runs the graph."""
     import torch
 
     if opts.eager:
@@ -98,7 +100,7 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
         try:
             progress(f"{label}: {name}" + (f" ({notes[name]})" if notes and name in notes else ""))
             fn, out = factory()
-            runs[name] = prepare(fn, opts)
+            runs[name] = prepare(fn, opts) + (fn,)  # fn kept: its graph replays what fn's closure holds
             outs[name] = out
         except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
             results[name] = {"error": error_text(e)}
@@ -118,7 +120,7 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
                 results[name] = {"error": error_text(e)}
                 outs.pop(name, None)
-    for name, (_, timing, note) in runs.items():
+    for name, (_, timing, note, _) in runs.items():
         if name not in results:
             us = samples[name]
             results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "timing": timing,
