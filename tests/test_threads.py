@@ -323,3 +323,47 @@ def test_workers_beyond_the_thread_count_stay_asleep():
     # made a 2-thread call on 2 cores about 30% slower for the rest of the process.
     p = run_child(CHILD_FEWER_THREADS, 120)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+
+
+_FORK_DURING_LOAD = textwrap.dedent("""
+    import os, sys, threading, time
+    import hmoe._native as native
+
+    entered, check = threading.Event(), native.check_module
+
+    def slow_check(mod, name):  # the loading thread stays inside the load for a second
+        entered.set()
+        time.sleep(1.0)
+        return check(mod, name)
+
+    native.check_module = slow_check
+    loader = threading.Thread(target=native.load, args=("cpu_core",))
+    loader.start()
+    assert entered.wait(30)
+    pid = os.fork()  # while the other thread is inside the load
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if native.load("cpu_core") is not None and native.is_loaded("cpu_core") else 2
+        finally:
+            os._exit(code)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            loader.join()
+            sys.exit(os.waitstatus_to_exitcode(status))
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    print("the child hung in its first load")
+    sys.exit(3)
+""")
+
+
+def test_fork_while_another_thread_loads_a_native_module():
+    # A fork that landed inside another thread's load handed the child hmoe._native's lock held by
+    # a thread it does not have: its first load (every op's first call) waited forever. The fork
+    # now waits for the load to finish. In a fresh interpreter: this one has cpu_core loaded.
+    r = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_DURING_LOAD],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

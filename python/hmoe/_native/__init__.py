@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import os
 import struct
 import sys
 import threading
 
 from . import spec
 
-_lock = threading.Lock()
+# Held while a module is imported, checked or bound, and taken by os.fork() before it forks: a fork
+# while another thread is inside a load would hand the child this lock and the module's import lock
+# held by a thread the child does not have, and the child's first hmoe op would wait forever. So a
+# fork waits for a load to finish (re-entrant: a thread that forks inside a load goes through).
+_lock = threading.RLock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_lock.release)
 _loaded: dict[str, object] = {}
 _failed: dict[str, tuple[str, str]] = {}
 _bound: dict[str, object] = {}
