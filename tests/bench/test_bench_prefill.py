@@ -130,9 +130,9 @@ def test_run_case_checks_against_reference_and_flashinfer(monkeypatch):
 def test_every_variant_is_a_row_beside_one_flashinfer_timing(monkeypatch):
     calls = []
     rows = fake_run(monkeypatch, right, variants=("slow", "fast"), calls=calls)
-    # the variants and the backends take turns: 3 rounds, 7 calls each as 3 + 2 + 2
-    assert calls == [("hmoe", 3), ("fast", 3), ("fa2", 3), ("fa3", 3), ("fast", 2), ("fa2", 2), ("fa3", 2),
-                     ("hmoe", 2), ("fa2", 2), ("fa3", 2), ("hmoe", 2), ("fast", 2)]
+    # the variants and the backends take turns (_gpu_bench.turn_order): 3 rounds, 7 calls each as 3 + 2 + 2
+    assert calls == [("hmoe", 3), ("fast", 3), ("fa2", 3), ("fa3", 3), ("fa3", 2), ("fa2", 2), ("fast", 2),
+                     ("hmoe", 2), ("fast", 2), ("fa2", 2), ("fa3", 2), ("hmoe", 2)]
     assert [r["variant"] for r in rows] == ["slow", "fast"] and not any(r["failed"] for r in rows)
     assert [r["flashinfer"]["fa3"]["speedup"] for r in rows] == [1.2, 1.5]
     assert {ch["what"] for ch in rows[1]["checks"]} == {"hmoe vs ref", "fa2 vs ref", "fa3 vs ref", "hmoe vs fa2",

@@ -9,7 +9,7 @@ from hmoe.bench import _gpu_bench, membw
 
 
 def opts(**kw):
-    return types.SimpleNamespace(**dict(dict(repeats=7, rounds=3, warmup=1, eager=False), **kw))
+    return types.SimpleNamespace(**dict(dict(repeats=7, rounds=3, warmup=1, warmup_ms=0, eager=False), **kw))
 
 
 def timed(monkeypatch, us_of, fail=None):
@@ -45,9 +45,9 @@ def timed(monkeypatch, us_of, fail=None):
 def test_implementations_take_turns_in_rotated_rounds(monkeypatch):
     blocks, time_all, _ = timed(monkeypatch, lambda name, block, us: us)
     results, outs = time_all(opts())
-    # round r starts with implementation r: 7 calls as 3 + 2 + 2, each turn after 1 untimed call
-    assert blocks == [("a", 3, 1), ("b", 3, 1), ("c", 3, 1), ("b", 2, 1), ("c", 2, 1), ("a", 2, 1),
-                      ("c", 2, 1), ("a", 2, 1), ("b", 2, 1)]
+    # 7 calls as 3 + 2 + 2, each turn after 1 untimed call; the order: turn_order's
+    assert blocks == [("a", 3, 1), ("b", 3, 1), ("c", 3, 1), ("c", 2, 1), ("b", 2, 1), ("a", 2, 1),
+                      ("b", 2, 1), ("c", 2, 1), ("a", 2, 1)]
     assert {n: r["us"] for n, r in results.items()} == {"a": 10.0, "b": 15.0, "c": 12.0}
     assert all(len(r["us_all"]) == 7 and r["timing"] == "graph" for r in results.values())
     assert outs == {"a": "out of a", "b": "out of b", "c": "out of c"}
@@ -56,7 +56,7 @@ def test_implementations_take_turns_in_rotated_rounds(monkeypatch):
 def test_more_rounds_than_calls_and_one_round(monkeypatch):
     blocks, time_all, _ = timed(monkeypatch, lambda name, block, us: us)
     time_all(opts(repeats=2, rounds=5, warmup=0))
-    assert blocks == [("a", 1, 0), ("b", 1, 0), ("c", 1, 0), ("b", 1, 0), ("c", 1, 0), ("a", 1, 0)]
+    assert blocks == [("a", 1, 0), ("b", 1, 0), ("c", 1, 0), ("c", 1, 0), ("b", 1, 0), ("a", 1, 0)]
     blocks.clear()
     time_all(opts(rounds=1))
     assert blocks == [("a", 7, 1), ("b", 7, 1), ("c", 7, 1)]
@@ -76,7 +76,7 @@ def test_a_change_of_the_gpus_state_falls_on_every_implementation(monkeypatch):
 
 
 def test_failures_are_results_and_the_others_still_run(monkeypatch):
-    blocks, time_all, impl = timed(monkeypatch, lambda name, block, us: us, fail=("b", 3))  # b's second turn
+    blocks, time_all, impl = timed(monkeypatch, lambda name, block, us: us, fail=("b", 4))  # b's second turn
     results, outs = time_all(opts())
     assert results["b"] == {"error": "RuntimeError: b failed"} and "b" not in outs
     assert [n for n, _, _ in blocks] == ["a", "b", "c", "c", "a", "c", "a"]  # b failed in its warm-up, then sat out
@@ -88,6 +88,32 @@ def test_failures_are_results_and_the_others_still_run(monkeypatch):
     results, outs = _gpu_bench.time_all({"x": broken, "c": lambda: impl("c")}, opts(), None, lambda m: None, "row")
     assert results["x"] == {"error": "ValueError: no such variant"} and outs == {"c": "out of c"}
     assert results["c"]["us"] == 12.0
+
+
+def test_turn_order_varies_who_goes_before_whom():
+    names = ["a", "b", "c", "d"]
+    orders = [_gpu_bench.turn_order(names, r) for r in range(4)]
+    assert orders == [["a", "b", "c", "d"], ["d", "c", "b", "a"], ["b", "c", "d", "a"], ["a", "d", "c", "b"]]
+    sequence = [n for order in orders for n in order]
+    before = {n: {p for p, q in zip(sequence, sequence[1:]) if q == n and p != n} for n in names}
+    assert all(len(b) >= 2 for b in before.values()), before  # a plain rotation: always the same one
+    assert _gpu_bench.turn_order(["x"], 5) == ["x"] and _gpu_bench.turn_order([], 1) == []
+
+
+def test_warm_up_by_calls_then_by_time(monkeypatch):
+    clock, calls, syncs = [0.0], [], []
+    monkeypatch.setattr(_gpu_bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_gpu_bench, "sync", lambda: syncs.append(len(calls)))
+
+    def run():  # a call of 4 ms
+        calls.append(1)
+        clock[0] += 0.004
+
+    _gpu_bench.warm_up(run, opts(warmup=2, warmup_ms=0))
+    assert (len(calls), syncs) == (2, [])
+    calls.clear()
+    _gpu_bench.warm_up(run, opts(warmup=2, warmup_ms=10))  # 2 calls, then 3 more to pass 10 ms
+    assert len(calls) == 5 and syncs == [2, 3, 4, 5]
 
 
 def test_fill_row_derives_and_compares():
@@ -102,15 +128,17 @@ def test_fill_row_derives_and_compares():
 
 
 @pytest.mark.parametrize("argv, message", [(["--rounds", "0"], "--rounds"), (["--repeats", "0"], "--repeats"),
-                                           (["--warmup", "-1"], "--warmup")])
+                                           (["--warmup", "-1"], "--warmup"), (["--warmup-ms", "-1"], "--warmup-ms"),
+                                           (["--warmup-ms", "nan"], "--warmup-ms")])
 def test_timing_args(argv, message, capsys):
     import argparse
 
     p = argparse.ArgumentParser(prog="prog")
     _gpu_bench.add_timing_args(p, repeats=20)
     o = p.parse_args([])
-    assert (o.repeats, o.rounds, o.warmup, o.eager) == (20, 3, 3, False)
-    assert "taking turns in 3 rounds" in _gpu_bench.timing_text(o)
+    assert (o.repeats, o.rounds, o.warmup, o.warmup_ms, o.eager) == (20, 3, 3, 0.0, False)
+    assert "taking turns in 3 rounds, each turn after 3 untimed calls;" in _gpu_bench.timing_text(o)
+    assert "after 3 untimed calls and 250 ms of them" in _gpu_bench.timing_text(p.parse_args(["--warmup-ms", "250"]))
     assert "turns" not in _gpu_bench.timing_text(p.parse_args(["--rounds", "1"]))
     with pytest.raises(SystemExit) as e:
         _gpu_bench.check_timing_args(p, p.parse_args(argv))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 from hmoe.bench import membw
 
@@ -49,12 +50,15 @@ def add_timing_args(p, repeats: int) -> None:
                    help=f"the implementations of a row take turns, each timing about repeats / rounds calls a "
                         f"round; the median is over all of them (default {ROUNDS})")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before each turn (default 3)")
+    p.add_argument("--warmup-ms", type=float, default=0.0,
+                   help="then more untimed calls until this much time has passed, so that each implementation "
+                        "is timed in its own sustained state (clocks, power) and not in its predecessor's (default 0)")
     p.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
 
 
 def check_timing_args(p, opts) -> None:
-    if opts.repeats < 1 or opts.rounds < 1 or opts.warmup < 0:
-        p.error("--repeats and --rounds must be positive, --warmup >= 0")
+    if opts.repeats < 1 or opts.rounds < 1 or opts.warmup < 0 or not 0 <= opts.warmup_ms <= 60e3:
+        p.error("--repeats and --rounds must be positive, --warmup >= 0, --warmup-ms from 0 to 60000")
 
 
 def timing_text(opts) -> str:
@@ -62,8 +66,9 @@ def timing_text(opts) -> str:
     how = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
     rounds = min(opts.rounds, opts.repeats)
     turns = f", the implementations of a row taking turns in {rounds} rounds" if rounds > 1 else ""
-    return (f"{how}; CUDA events; median over {opts.repeats} calls{turns}; L2 flushed (reading 4x its size) "
-            "before each")
+    warm = f" after {opts.warmup} untimed calls" + (f" and {opts.warmup_ms:g} ms of them" if opts.warmup_ms else "")
+    return (f"{how}; CUDA events; median over {opts.repeats} calls{turns}, each turn{warm}; L2 flushed (reading 4x "
+            "its size) before each")
 
 
 def prepare(fn, opts) -> tuple:
@@ -84,11 +89,42 @@ def prepare(fn, opts) -> tuple:
     return graph.replay, "graph", None
 
 
+def turn_order(names: list, r: int) -> list:
+    """The order of round r's turns: names rotated by r // 2, reversed in odd rounds, so that an
+    implementation does not always follow the same one. The GPU's clocks carry over from one turn
+    to the next (they fall under a kernel that draws much power and recover under one that draws
+    less), and a plain rotation keeps every implementation behind the same neighbour."""
+    k = r // 2 % len(names) if names else 0
+    order = names[k:] + names[:k]
+    return order[::-1] if r % 2 else order
+
+
+def warm_up(run, opts) -> None:
+    """A turn's untimed calls: opts.warmup of them, then more until opts.warmup_ms of GPU time have
+    passed (0: none), so that each implementation is timed in its own sustained state rather than
+    in the one its predecessor left."""
+    for _ in range(opts.warmup):
+        run()
+    budget = getattr(opts, "warmup_ms", 0) / 1e3
+    if budget > 0:
+        sync()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < budget:
+            run()
+            sync()
+
+
+def sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
 def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None = None) -> tuple[dict, dict]:
     """Times the implementations of one table row on the same inputs. impls: name -> factory,
     which returns (fn, out) after one eager call of fn. All are set up first (`prepare`); then
-    they take turns in opts.rounds rounds (the order rotated each round), each turn opts.warmup
-    untimed calls and about repeats / rounds timed ones with the L2 flushed before each, so that a
+    they take turns in opts.rounds rounds (`turn_order`), each turn untimed calls (`warm_up`) and
+    about repeats / rounds timed ones with the L2 flushed before each, so that a
     change of the GPU's state during the row (its clocks, a neighbour's load) falls on every
     implementation alike. The flush queued ahead keeps the GPU busy while the CPU launches, so
     launch latency does not enter the times.
@@ -108,14 +144,12 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
     samples = {name: [] for name in runs}
     for r in range(rounds):
         calls = opts.repeats // rounds + (r < opts.repeats % rounds)
-        names = list(runs)
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in turn_order(list(runs), r):
             if name in results:
                 continue  # failed in an earlier turn
             run = runs[name][0]
             try:
-                for _ in range(opts.warmup):
-                    run()
+                warm_up(run, opts)
                 samples[name] += [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush)]
             except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
                 results[name] = {"error": error_text(e)}
