@@ -100,9 +100,9 @@ def turn_order(names: list, r: int) -> list:
 
 
 def warm_up(run, opts) -> None:
-    """A turn's untimed calls: opts.warmup of them, then more until opts.warmup_ms of GPU time have
-    passed (0: none), so that each implementation is timed in its own sustained state rather than
-    in the one its predecessor left."""
+    """A turn's untimed calls: opts.warmup of them, then more, each waited for, until opts.warmup_ms
+    have passed (0: none), so that each implementation is timed in its own sustained state rather
+    than in the one its predecessor left."""
     for _ in range(opts.warmup):
         run()
     budget = getattr(opts, "warmup_ms", 0) / 1e3
