@@ -50,6 +50,10 @@ def test_implementations_take_turns_in_rotated_rounds(monkeypatch):
                       ("b", 2, 1), ("c", 2, 1), ("a", 2, 1)]
     assert {n: r["us"] for n, r in results.items()} == {"a": 10.0, "b": 15.0, "c": 12.0}
     assert all(len(r["us_all"]) == 7 and r["timing"] == "graph" for r in results.values())
+    # each turn's samples, with its round and the implementation before it (JSON: the carry-over)
+    assert [(t["round"], t["after"], t["us"]) for t in results["a"]["turns"]] == \
+        [(0, None, [10.0] * 3), (1, "b", [10.0] * 2), (2, "c", [10.0] * 2)]
+    assert [t["after"] for t in results["c"]["turns"]] == ["b", "c", "b"]  # c ends round 0 and opens round 1
     assert outs == {"a": "out of a", "b": "out of b", "c": "out of c"}
 
 

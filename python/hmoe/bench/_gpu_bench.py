@@ -129,8 +129,10 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
     implementation alike. The flush queued ahead keeps the GPU busy while the CPU launches, so
     launch latency does not enter the times.
     Returns ({name: result}, {name: out}): a result holds the median and min microseconds over all
-    of the implementation's calls, every sample, the timing and its note; or {"error": text} where
-    its setup or a call failed (a failure is a table cell, never a crash; it has no out)."""
+    of the implementation's calls, every sample (us_all) and each turn's (turns: its round, the
+    implementation whose turn came before it, its samples), the timing and its note; or
+    {"error": text} where its setup or a call failed (a failure is a table cell, never a crash; it
+    has no out)."""
     results, outs, runs = {}, {}, {}
     for name, factory in impls.items():
         try:
@@ -141,7 +143,8 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
         except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
             results[name] = {"error": error_text(e)}
     rounds = max(1, min(opts.rounds, opts.repeats))
-    samples = {name: [] for name in runs}
+    turns = {name: [] for name in runs}
+    before = None  # the implementation whose turn came last
     for r in range(rounds):
         calls = opts.repeats // rounds + (r < opts.repeats % rounds)
         for name in turn_order(list(runs), r):
@@ -150,15 +153,17 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             run = runs[name][0]
             try:
                 warm_up(run, opts)
-                samples[name] += [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush)]
+                us = [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush)]
+                turns[name].append({"round": r, "after": before, "us": us})
             except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
                 results[name] = {"error": error_text(e)}
                 outs.pop(name, None)
+            before = name
     for name, (_, timing, note, _) in runs.items():
         if name not in results:
-            us = samples[name]
-            results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "timing": timing,
-                             "timing_note": note}
+            us = [t for turn in turns[name] for t in turn["us"]]
+            results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "turns": turns[name],
+                             "timing": timing, "timing_note": note}
     return results, outs
 
 
