@@ -135,7 +135,7 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None, **opts):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     fi = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper))
     o = types.SimpleNamespace(dtype="bf16", page_size=16, device=torch.device("cpu"), seed=3, eager=False, variant=None,
-                              repeats=5, rounds=3, warmup=1)
+                              repeats=5, rounds=3, warmup=1, warmup_ms=0)
     vars(o).update(opts)
     return bench.run_shape(bench.Shape(3, 70, 4), o, fi, fi_skip or {}, 1000.0, 500.0, None, lambda m: None)
 

@@ -101,7 +101,7 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,), calls=None):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     fi = types.SimpleNamespace(prefill=types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=FakeWrapper))
     o = types.SimpleNamespace(dtype="bf16", device=torch.device("cpu"), seed=3, eager=False, variants=list(variants),
-                              repeats=7, rounds=3, warmup=0)
+                              repeats=7, rounds=3, warmup=0, warmup_ms=0)
     c = bench.Case("t", [20, 0, 33], 64, 64, 3, 1, True)
     rows = bench.run_case(c, o, fi, fi_skip or {}, 800.0, None, lambda m: None)
     return rows if len(variants) > 1 else rows[0]

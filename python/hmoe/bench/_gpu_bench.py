@@ -105,7 +105,7 @@ def warm_up(run, opts) -> None:
     than in the one its predecessor left."""
     for _ in range(opts.warmup):
         run()
-    budget = getattr(opts, "warmup_ms", 0) / 1e3
+    budget = opts.warmup_ms / 1e3
     if budget > 0:
         sync()
         t0 = time.perf_counter()
@@ -165,6 +165,13 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "turns": turns[name],
                              "timing": timing, "timing_note": note}
     return results, outs
+
+
+def flashinfer_impls(backends, fi_skip: dict, runner) -> tuple[dict, dict]:
+    """({backend: factory} for time_all, {backend: {"skipped": why}}): runner(backend) sets one up;
+    a backend in fi_skip (one this GPU cannot run) gets its reason instead."""
+    impls = {b: (lambda b=b: runner(b)) for b in backends if b not in fi_skip}
+    return impls, {b: {"skipped": fi_skip[b]} for b in backends if b in fi_skip}
 
 
 def fill_row(row: dict, results: dict, hmoe: str, backends, derive) -> None:

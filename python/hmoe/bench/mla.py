@@ -156,12 +156,10 @@ def run_shape(s: Shape, opts, fi, fi_skip: dict, copy_gbps: float, peak_tflops: 
     progress(f"{s.name}: building a {s.B * s.S * (D_CKV + D_PE) * 2 / 1e9:.2f} GB paged cache")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     inp = make_inputs(s, opts.page_size, dtype, opts.device, opts.seed)
-    impls = {"hmoe": lambda: hmoe_runner(inp, opts)}
-    for backend in BACKENDS if fi is not None else ():
-        if backend in fi_skip:
-            row["flashinfer"][backend] = {"skipped": fi_skip[backend]}
-        else:
-            impls[backend] = lambda b=backend: flashinfer_runner(fi, b, inp, opts.page_size, use_graph=not opts.eager)
+    fi_impls, row["flashinfer"] = _gpu_bench.flashinfer_impls(
+        BACKENDS if fi is not None else (), fi_skip,
+        lambda b: flashinfer_runner(fi, b, inp, opts.page_size, use_graph=not opts.eager))
+    impls = {"hmoe": lambda: hmoe_runner(inp, opts), **fi_impls}
     results, outs = _gpu_bench.time_all(impls, opts, flush, progress, s.name, notes=_gpu_bench.FLASHINFER_NOTES)
     _gpu_bench.fill_row(row, results, "hmoe", BACKENDS, lambda res: derive(res, s, copy_gbps, peak_tflops))
     if "error" not in row["hmoe"]:

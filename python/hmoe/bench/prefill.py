@@ -151,10 +151,9 @@ def run_case(c: Case, opts, fi, fi_skip: dict, peak_tflops: float, flush, progre
     names = {variant: f"hmoe {variant}" if variant else "hmoe" for variant in opts.variants}
     impls = {names[v]: (lambda v=v: hmoe_runner(inp, c, v)) for v in opts.variants}
     backends = getattr(opts, "backend_list", BACKENDS) if fi is not None else ()
-    skipped = {b: {"skipped": fi_skip[b]} for b in backends if b in fi_skip}
-    for backend in backends:
-        if backend not in skipped:
-            impls[backend] = lambda b=backend: flashinfer_runner(fi, b, inp, c, use_graph=not opts.eager)
+    fi_impls, skipped = _gpu_bench.flashinfer_impls(
+        backends, fi_skip, lambda b: flashinfer_runner(fi, b, inp, c, use_graph=not opts.eager))
+    impls.update(fi_impls)
     results, outs = _gpu_bench.time_all(impls, opts, flush, progress, c.label, notes=_gpu_bench.FLASHINFER_NOTES)
     fi_outs = {b: outs[b] for b in backends if b in outs}
     torch.cuda.synchronize()
