@@ -8,7 +8,7 @@ def fake_timing(monkeypatch, wrapper, times: dict, calls: list | None = None) ->
     backend of the fake flashinfer `wrapper` class that ran (its `last`), else what hmoe's fn
     returned where times has it, else "hmoe". `calls` collects (name, calls) per block."""
 
-    def cuda_event_ms(run, repeats, before=None):
+    def cuda_event_ms(run, repeats, before=None, after=None):
         wrapper.last = None
         got = run()
         name = wrapper.last or (got if isinstance(got, str) and got in times else "hmoe")

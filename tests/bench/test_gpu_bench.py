@@ -28,7 +28,7 @@ def timed(monkeypatch, us_of, fail=None):
         run.name = name
         return run, f"out of {name}"
 
-    def cuda_event_ms(run, repeats, before=None):
+    def cuda_event_ms(run, repeats, before=None, after=None):
         name = run.name
         blocks.append((name, repeats, untimed[name]))
         untimed[name] = 0
@@ -64,6 +64,14 @@ def test_more_rounds_than_calls_and_one_round(monkeypatch):
     blocks.clear()
     time_all(opts(rounds=1))
     assert blocks == [("a", 7, 1), ("b", 7, 1), ("c", 7, 1)]
+
+
+def test_by_default_the_implementations_alternate_call_by_call(monkeypatch):
+    blocks, time_all, _ = timed(monkeypatch, lambda name, block, us: us)
+    results, _ = time_all(opts(repeats=3, rounds=None))
+    assert blocks == [("a", 1, 1), ("b", 1, 1), ("c", 1, 1), ("c", 1, 1), ("b", 1, 1), ("a", 1, 1),
+                      ("b", 1, 1), ("c", 1, 1), ("a", 1, 1)]
+    assert [t["round"] for t in results["a"]["turns"]] == [0, 1, 2] and results["a"]["us"] == 10.0
 
 
 def test_a_change_of_the_gpus_state_falls_on_every_implementation(monkeypatch):
@@ -140,10 +148,17 @@ def test_timing_args(argv, message, capsys):
     p = argparse.ArgumentParser(prog="prog")
     _gpu_bench.add_timing_args(p, repeats=20)
     o = p.parse_args([])
-    assert (o.repeats, o.rounds, o.warmup, o.warmup_ms, o.eager) == (20, 3, 3, 0.0, False)
-    assert "taking turns in 3 rounds, each turn after 3 untimed calls;" in _gpu_bench.timing_text(o)
-    assert "after 3 untimed calls and 250 ms of them" in _gpu_bench.timing_text(p.parse_args(["--warmup-ms", "250"]))
+    assert (o.repeats, o.rounds, o.warmup, o.warmup_ms, o.eager) == (20, None, 1, 0.0, False)
+    assert _gpu_bench.rounds_of(o) == 20  # by default the implementations alternate call by call
+    text = _gpu_bench.timing_text(o)
+    assert "median over 20 calls, the implementations of a row alternating call by call" in text
+    assert "each turn after 1 untimed call;" in text and "SM clock read right after each" in text
+    three = p.parse_args(["--rounds", "3", "--warmup", "2"])
+    assert _gpu_bench.rounds_of(three) == 3
+    assert "taking turns in 3 rounds, each turn after 2 untimed calls;" in _gpu_bench.timing_text(three)
+    assert "after 1 untimed call and 250 ms of them" in _gpu_bench.timing_text(p.parse_args(["--warmup-ms", "250"]))
     assert "turns" not in _gpu_bench.timing_text(p.parse_args(["--rounds", "1"]))
+    assert _gpu_bench.rounds_of(p.parse_args(["--rounds", "50"])) == 20  # never more rounds than calls
     with pytest.raises(SystemExit) as e:
         _gpu_bench.check_timing_args(p, p.parse_args(argv))
     assert e.value.code == 2 and message in capsys.readouterr().err
@@ -163,7 +178,7 @@ def test_each_implementation_outlives_its_graph(monkeypatch):
         made.append(weakref.ref(fn))
         return fn, None
 
-    def cuda_event_ms(run, repeats, before=None):
+    def cuda_event_ms(run, repeats, before=None, after=None):
         gc.collect()
         alive.append(all(ref() is not None for ref in made))
         return [1e-3] * repeats
@@ -172,3 +187,82 @@ def test_each_implementation_outlives_its_graph(monkeypatch):
     monkeypatch.setattr(membw, "cuda_event_ms", cuda_event_ms)
     results, _ = _gpu_bench.time_all({"a": factory, "b": factory}, opts(), None, lambda m: None, "row")
     assert len(made) == 2 and alive == [True] * 6 and results["a"]["us"] == 1.0
+
+
+class FakeGpu:
+    """A GPU timeline for ClockProbe: a recorded event takes the time so far; _sleep(cycles) spins for
+    cycles at `mhz` plus a launch's fixed cost (`launch_us`), which the probe must not count."""
+
+    def __init__(self, monkeypatch, mhz, launch_us=3.0):
+        import torch
+
+        self.t_us, self.mhz, self.launch_us = 0.0, mhz, launch_us
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self):
+                self.t = gpu.t_us
+
+            def elapsed_time(self, end):  # ms, as torch's
+                return (end.t - self.t) / 1e3
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", self.sleep, raising=False)
+
+    def sleep(self, cycles):
+        self.t_us += self.launch_us + cycles / self.mhz
+
+
+def test_clock_probe_reads_the_sm_clock_without_the_launch_cost(monkeypatch):
+    gpu = FakeGpu(monkeypatch, mhz=1755.0)
+    probe = _gpu_bench.ClockProbe()
+    assert probe.ok
+    probe()
+    gpu.mhz = 1980.0
+    probe()
+    got = probe.mhz()
+    assert got == pytest.approx([1755.0, 1980.0], rel=1e-12)  # the 3 us of each launch drop out
+    assert probe.mhz() == [] and probe.readings == []  # read once
+
+
+def test_clock_probe_without_torch_sleep_queues_nothing(monkeypatch):
+    import torch
+
+    monkeypatch.delattr(torch.cuda, "_sleep", raising=False)
+    probe = _gpu_bench.ClockProbe()
+    probe()
+    assert not probe.ok and probe.mhz() == []
+
+
+def test_time_all_keeps_the_clock_after_each_call(monkeypatch):
+    gpu = FakeGpu(monkeypatch, mhz=1500.0)
+    clocks = {"a": 1800.0, "b": 1500.0}
+
+    def cuda_event_ms(run, repeats, before=None, after=None):
+        out = []
+        for _ in range(repeats):
+            run()
+            gpu.mhz = clocks[run.name]  # the clock the call ended at
+            after()
+            out.append(0.01)
+        return out
+
+    def impl(name):
+        def run():
+            return None
+        run.name = name
+        return run, None
+
+    monkeypatch.setattr(_gpu_bench, "prepare", lambda fn, o: (fn, "graph", None))
+    monkeypatch.setattr(membw, "cuda_event_ms", cuda_event_ms)
+    results, _ = _gpu_bench.time_all({n: (lambda n=n: impl(n)) for n in clocks}, opts(repeats=4, rounds=2), None,
+                                     lambda m: None, "row")
+    assert results["a"]["mhz"] == pytest.approx(1800.0) and results["b"]["mhz"] == pytest.approx(1500.0)
+    assert [len(t["mhz"]) for t in results["a"]["turns"]] == [2, 2]
+    row = {"hmoe": results["a"], "flashinfer": {"fa3": results["b"], "fa2": {"skipped": "no"}}}
+    assert _gpu_bench.format_row(row, [("x", 1, lambda r: "x")]).splitlines()[1] == \
+        "    SM clock right after each call, MHz (median): hmoe 1800, fa3 1500"

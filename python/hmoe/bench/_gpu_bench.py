@@ -37,19 +37,21 @@ def load_flashinfer(submodule: str):
     return flashinfer, None
 
 
-ROUNDS = 3  # the default of --rounds
+ROUNDS = None  # the default of --rounds: one a timed call, the implementations alternating call by call
+WARMUP = 1  # the default of --warmup
 # What the progress line says while a flashinfer backend is set up (time_all's notes).
 FLASHINFER_NOTES = {b: "flashinfer: a backend's first use may JIT-compile for minutes" for b in ("fa2", "fa3")}
 
 
 def add_timing_args(p, repeats: int) -> None:
-    """--repeats (default `repeats`), --rounds, --warmup and --eager: how bench mla and bench
-    prefill time their calls."""
+    """--repeats (default `repeats`), --rounds, --warmup, --warmup-ms and --eager: how bench mla and
+    bench prefill time their calls."""
     p.add_argument("--repeats", type=int, default=repeats, help=f"timed calls per implementation (default {repeats})")
     p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help=f"the implementations of a row take turns, each timing about repeats / rounds calls a "
-                        f"round; the median is over all of them (default {ROUNDS})")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before each turn (default 3)")
+                   help="the implementations of a row take turns, each timing about repeats / rounds calls a round "
+                        "(the order varied from round to round); the median is over all of them (default: as many "
+                        "rounds as timed calls, so that the implementations alternate call by call)")
+    p.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed calls before each turn (default {WARMUP})")
     p.add_argument("--warmup-ms", type=float, default=0.0,
                    help="then more untimed calls until this much time has passed, so that each implementation "
                         "is timed in its own sustained state (clocks, power) and not in its predecessor's (default 0)")
@@ -57,18 +59,70 @@ def add_timing_args(p, repeats: int) -> None:
 
 
 def check_timing_args(p, opts) -> None:
-    if opts.repeats < 1 or opts.rounds < 1 or opts.warmup < 0 or not 0 <= opts.warmup_ms <= 60e3:
+    if (opts.repeats < 1 or (opts.rounds is not None and opts.rounds < 1) or opts.warmup < 0
+            or not 0 <= opts.warmup_ms <= 60e3):
         p.error("--repeats and --rounds must be positive, --warmup >= 0, --warmup-ms from 0 to 60000")
+
+
+def rounds_of(opts) -> int:
+    """The rounds of turns: --rounds (by default one a timed call), at most one a timed call."""
+    return max(1, min(opts.rounds or opts.repeats, opts.repeats))
 
 
 def timing_text(opts) -> str:
     """What the benches say about their timing method (the header and the JSON's meta)."""
     how = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
-    rounds = min(opts.rounds, opts.repeats)
-    turns = f", the implementations of a row taking turns in {rounds} rounds" if rounds > 1 else ""
-    warm = f" after {opts.warmup} untimed calls" + (f" and {opts.warmup_ms:g} ms of them" if opts.warmup_ms else "")
+    rounds = rounds_of(opts)
+    if rounds == opts.repeats > 1:
+        turns = ", the implementations of a row alternating call by call (the order varied from round to round)"
+    else:
+        turns = f", the implementations of a row taking turns in {rounds} rounds" if rounds > 1 else ""
+    warm = f" after {opts.warmup} untimed call{'s' * (opts.warmup != 1)}" + (
+        f" and {opts.warmup_ms:g} ms of them" if opts.warmup_ms else "")
     return (f"{how}; CUDA events; median over {opts.repeats} calls{turns}, each turn{warm}; L2 flushed (reading 4x "
-            "its size) before each")
+            "its size) before each; the SM clock read right after each (ClockProbe)")
+
+
+class ClockProbe:
+    """The SM clock right after each timed call: behind the call, two spins of PROBE_CYCLES clock64
+    cycles (torch.cuda._sleep), each between CUDA events; MHz = the difference of their cycles over
+    the difference of their times, so that the fixed cost of a launch between events drops out. The
+    GPU's clocks move on a scale of milliseconds (power, heat: docs/perf/prefill.md), so the clock
+    read right after a call is the one the call ended at; NVML's reported clock is no guide to it.
+    Call the probe to queue one reading; mhz() after a synchronize gives them all (and forgets them).
+    `ok` is False where torch has no _sleep: then it queues nothing."""
+
+    PROBE_CYCLES = (20_000, 220_000)
+
+    def __init__(self):
+        import torch
+
+        self.ok = callable(getattr(torch.cuda, "_sleep", None))
+        self.readings = []
+
+    def __call__(self) -> None:
+        import torch
+
+        if not self.ok:
+            return
+        events = []
+        for cycles in self.PROBE_CYCLES:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            events.append((start, end))
+        self.readings.append(events)
+
+    def mhz(self) -> list:
+        """MHz of each reading queued since the last mhz() (the events must have completed)."""
+        short, long = self.PROBE_CYCLES
+        out = []
+        for (s0, e0), (s1, e1) in self.readings:
+            dt_us = 1e3 * (s1.elapsed_time(e1) - s0.elapsed_time(e0))
+            out.append((long - short) / dt_us if dt_us > 0 else math.nan)
+        self.readings = []
+        return out
 
 
 def prepare(fn, opts) -> tuple:
@@ -123,14 +177,16 @@ def sync() -> None:
 def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None = None) -> tuple[dict, dict]:
     """Times the implementations of one table row on the same inputs. impls: name -> factory,
     which returns (fn, out) after one eager call of fn. All are set up first (`prepare`); then
-    they take turns in opts.rounds rounds (`turn_order`), each turn untimed calls (`warm_up`) and
-    about repeats / rounds timed ones with the L2 flushed before each, so that a
-    change of the GPU's state during the row (its clocks, a neighbour's load) falls on every
-    implementation alike. The flush queued ahead keeps the GPU busy while the CPU launches, so
-    launch latency does not enter the times.
+    they take turns in `rounds_of(opts)` rounds (`turn_order`; by default one timed call a turn),
+    each turn untimed calls (`warm_up`) and about repeats / rounds timed ones with the L2 flushed
+    before each and the SM clock read after each (`ClockProbe`), so that a change of the GPU's
+    state during the row (its clocks, a neighbour's load) falls on every implementation alike. The
+    flush queued ahead keeps the GPU busy while the CPU launches, so launch latency does not enter
+    the times.
     Returns ({name: result}, {name: out}): a result holds the median and min microseconds over all
-    of the implementation's calls, every sample (us_all) and each turn's (turns: its round, the
-    implementation whose turn came before it, its samples), the timing and its note; or
+    of the implementation's calls, every sample (us_all), the median clock after them (mhz; None
+    where it could not be read) and each turn's (turns: its round, the implementation whose turn
+    came before it, its samples and clocks), the timing and its note; or
     {"error": text} where its setup or a call failed (a failure is a table cell, never a crash; it
     has no out)."""
     results, outs, runs = {}, {}, {}
@@ -142,9 +198,10 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             outs[name] = out
         except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
             results[name] = {"error": error_text(e)}
-    rounds = max(1, min(opts.rounds, opts.repeats))
+    rounds = rounds_of(opts)
     turns = {name: [] for name in runs}
     before = None  # the implementation whose turn came last
+    probe = ClockProbe()
     for r in range(rounds):
         calls = opts.repeats // rounds + (r < opts.repeats % rounds)
         for name in turn_order(list(runs), r):
@@ -153,17 +210,19 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             run = runs[name][0]
             try:
                 warm_up(run, opts)
-                us = [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush)]
-                turns[name].append({"round": r, "after": before, "us": us})
+                us = [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush, after=probe if probe.ok else None)]
+                turns[name].append({"round": r, "after": before, "us": us, "mhz": probe.mhz()})
             except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
                 results[name] = {"error": error_text(e)}
                 outs.pop(name, None)
+                probe.readings = []
             before = name
     for name, (_, timing, note, _) in runs.items():
         if name not in results:
             us = [t for turn in turns[name] for t in turn["us"]]
+            mhz = [f for turn in turns[name] for f in turn["mhz"] if math.isfinite(f)]
             results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "turns": turns[name],
-                             "timing": timing, "timing_note": note}
+                             "mhz": statistics.median(mhz) if mhz else None, "timing": timing, "timing_note": note}
     return results, outs
 
 
@@ -217,10 +276,15 @@ def hm_cell(key: str, fmt: str):
 
 
 def format_row(row: dict, columns) -> str:
-    """The table line (columns: (title, width, cell)), then an indented line per flashinfer error and
-    per timing note (hmoe's error is in its check cell)."""
+    """The table line (columns: (title, width, cell)), then an indented line with the SM clock after
+    each implementation's calls, and one per flashinfer error and per timing note (hmoe's error is
+    in its check cell)."""
     lines = ["  ".join(f"{cell(row):<{w}}" for _, w, cell in columns).rstrip()]
-    for name, res in [("hmoe", row["hmoe"])] + list(row["flashinfer"].items()):
+    results = [("hmoe", row["hmoe"])] + list(row["flashinfer"].items())
+    clocks = [f"{name} {res['mhz']:.0f}" for name, res in results if res.get("mhz")]
+    if clocks:
+        lines.append("    SM clock right after each call, MHz (median): " + ", ".join(clocks))
+    for name, res in results:
         lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
     return "\n".join(lines)
 

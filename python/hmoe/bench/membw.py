@@ -159,9 +159,10 @@ class CacheFlusher:
             time.sleep(self.idle_s)
 
 
-def cuda_event_ms(fn, repeats: int, before=None) -> list[float]:
+def cuda_event_ms(fn, repeats: int, before=None, after=None) -> list[float]:
     """Milliseconds of each of `repeats` calls of fn on the current stream, timed with CUDA events
-    (before(), e.g. a cache flush, runs ahead of each call, outside its timing)."""
+    (before(), e.g. a cache flush, runs ahead of each call and after(), e.g. a clock probe, behind
+    it, both outside its timing)."""
     import torch
 
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -172,6 +173,8 @@ def cuda_event_ms(fn, repeats: int, before=None) -> list[float]:
         start.record()
         fn()
         end.record()
+        if after is not None:
+            after()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in events]
 
