@@ -20,7 +20,9 @@
 //               softmax       online, in registers (attention/softmax.cuh's lazy max; the mask
 //                             only on tiles that cross the causal diagonal or the keys' end)
 //               O += P V      wgmma m64n<Dv>k16 with P from registers (rounded to the input
-//                             dtype), V N-major from shared memory, fp32 O in registers
+//                             dtype), V N-major from shared memory, fp32 O in registers; over
+//                             the first 64 keys only on a last tile whose later keys none of
+//                             the consumer's rows sees (the causal diagonal's upper half)
 //               S of tile t is issued before P V of tile t - 1, so the softmax of tile t runs
 //               while the tensor cores do P V; and the consumers issue their products in
 //               alternating turns (named barriers), so one's softmax runs beside the other's.
@@ -57,8 +59,14 @@ constexpr int kBlock = 128 * 128;  // a 64-column block of 128 rows (Q or a K/V 
 constexpr int kThreads = 384;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kLast = 8;           // rows of the boxes of a tile's last part
 
+constexpr int kTailHeads = 4;  // the last heads, whose items are taken in turns (Work::fetch)
+
 // One work item: q tile `q_first / kBM` of request r, query head h. The TMA thread reads item i
-// of the `total` from the work list and passes it on to every role of the CTA (ItemRing).
+// of the `total` from the work list and passes it on to every role of the CTA (ItemRing). Items go
+// head by head (the CTAs at work share a head's K/V in L2), each head's heaviest first, except that
+// the last kTailHeads heads take turns, item by item: the run then ends on the lightest items of
+// several heads, not on one head's whole range from heaviest to lightest, which left SMs idle
+// while others finished a heavy item.
 struct Work {
   Request r;
   int h, kvh, q_first, q_rows, n_tiles;
@@ -67,8 +75,9 @@ struct Work {
     Work w{};
     w.state = -1;
     if (i >= total) return w;
-    const int slot = i % p.max_items;
-    w.h = i / p.max_items;
+    const int tail = min(p.heads, kTailHeads), tail0 = (p.heads - tail) * p.max_items;
+    const int slot = i < tail0 ? i % p.max_items : (i - tail0) / tail;
+    w.h = i < tail0 ? i / p.max_items : p.heads - tail + (i - tail0) % tail;
     const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
     w.state = item.x >= 0 ? 1 : 0;
     w.r = prefill::request(p, w.state ? item.x : 0);
@@ -353,12 +362,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     wgmma_commit();
   };
-  auto issue_pv = [&](int g) {  // O += P V for the tile in slot g (asynchronous)
+  // half: over the tile's first 64 keys only (P's first 4 k16 steps), for a last tile whose keys
+  // past them no row of this consumer sees (the causal diagonal's upper half, or the keys' end):
+  // their P is zero.
+  auto issue_pv = [&](int g, bool half) {  // O += P V for the tile in slot g (asynchronous)
     const uint64_t v_desc = n_major(v_buf(g), kBlock);
     wgmma_fence();
     fence_regs<DV / 2>(o);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], desc_add(v_desc, kk * 16 * 128));
+    for (int kk = 0; kk < 4; ++kk) mma_pv<DV, T>(o, pk[kk], desc_add(v_desc, kk * 16 * 128));
+    if (!half) {
+#pragma unroll
+      for (int kk = 4; kk < 8; ++kk) mma_pv<DV, T>(o, pk[kk], desc_add(v_desc, kk * 16 * 128));
+    }
     wgmma_commit();
   };
   auto round_p = [&]() {  // P rounded to T (the precision contract), packed as P V's A fragments
@@ -409,6 +425,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         warp_uniform(rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0);
     // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
     const int n_full = warp_uniform(rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0);
+    // P V of the last own tile in half (issue_pv): its last row sees at most its first 64 keys.
+    const bool half =
+        warp_uniform(n_own > 0 && prefill::visible_keys(r, p.causal, first + rows - 1) - (n_own - 1) * kBN <= kBN / 2);
     m_run[0] = m_run[1] = -INFINITY;
     l_run[0] = l_run[1] = 0.f;
 #pragma unroll
@@ -481,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wait_full(bar.full_v, g0 + t - 1);
         turn([&] {
           issue_s(g0 + t);
-          issue_pv(g0 + t - 1);
+          issue_pv(g0 + t - 1, false);
         });
         wgmma_wait<1>();  // S of tile t (P V of tile t - 1 still runs)
         fence_regs<64>(s);
@@ -498,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         round_p();
       }
       wait_full(bar.full_v, g0 + n_own - 1);
-      turn([&] { issue_pv(g0 + n_own - 1); });
+      turn([&] { issue_pv(g0 + n_own - 1, half); });
       wgmma_wait<0>();
       fence_regs<DV / 2>(o);
       release(bar.empty_v, g0 + n_own - 1);
