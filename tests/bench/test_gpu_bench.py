@@ -262,7 +262,9 @@ def test_time_all_keeps_the_clock_after_each_call(monkeypatch):
     results, _ = _gpu_bench.time_all({n: (lambda n=n: impl(n)) for n in clocks}, opts(repeats=4, rounds=2), None,
                                      lambda m: None, "row")
     assert results["a"]["mhz"] == pytest.approx(1800.0) and results["b"]["mhz"] == pytest.approx(1500.0)
+    assert results["a"]["mcycles"] == pytest.approx(0.018) and results["b"]["mcycles"] == pytest.approx(0.015)
     assert [len(t["mhz"]) for t in results["a"]["turns"]] == [2, 2]
     row = {"hmoe": results["a"], "flashinfer": {"fa3": results["b"], "fa2": {"skipped": "no"}}}
     assert _gpu_bench.format_row(row, [("x", 1, lambda r: "x")]).splitlines()[1] == \
-        "    SM clock right after each call, MHz (median): hmoe 1800, fa3 1500"
+        "    SM clock right after each call, MHz (median): hmoe 1800, fa3 1500; time x clock, M cycles (median): " \
+        "hmoe 0.018, fa3 0.015"

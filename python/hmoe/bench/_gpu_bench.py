@@ -184,9 +184,10 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
     flush queued ahead keeps the GPU busy while the CPU launches, so launch latency does not enter
     the times.
     Returns ({name: result}, {name: out}): a result holds the median and min microseconds over all
-    of the implementation's calls, every sample (us_all), the median clock after them (mhz; None
-    where it could not be read) and each turn's (turns: its round, the implementation whose turn
-    came before it, its samples and clocks), the timing and its note; or
+    of the implementation's calls, every sample (us_all), the median clock after them (mhz) and of
+    each call's time x that clock (mcycles, millions: the call's cycles, as far as the clock held
+    through it; both None where the clock could not be read), each turn's (turns: its round, the
+    implementation whose turn came before it, its samples and clocks), the timing and its note; or
     {"error": text} where its setup or a call failed (a failure is a table cell, never a crash; it
     has no out)."""
     results, outs, runs = {}, {}, {}
@@ -221,8 +222,11 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
         if name not in results:
             us = [t for turn in turns[name] for t in turn["us"]]
             mhz = [f for turn in turns[name] for f in turn["mhz"] if math.isfinite(f)]
+            cycles = [t * f for turn in turns[name] for t, f in zip(turn["us"], turn["mhz"]) if math.isfinite(f)]
             results[name] = {"us": statistics.median(us), "us_min": min(us), "us_all": us, "turns": turns[name],
-                             "mhz": statistics.median(mhz) if mhz else None, "timing": timing, "timing_note": note}
+                             "mhz": statistics.median(mhz) if mhz else None,
+                             "mcycles": statistics.median(cycles) / 1e6 if cycles else None,
+                             "timing": timing, "timing_note": note}
     return results, outs
 
 
@@ -282,8 +286,10 @@ def format_row(row: dict, columns) -> str:
     lines = ["  ".join(f"{cell(row):<{w}}" for _, w, cell in columns).rstrip()]
     results = [("hmoe", row["hmoe"])] + list(row["flashinfer"].items())
     clocks = [f"{name} {res['mhz']:.0f}" for name, res in results if res.get("mhz")]
+    cycles = [f"{name} {res['mcycles']:.3g}" for name, res in results if res.get("mcycles")]
     if clocks:
-        lines.append("    SM clock right after each call, MHz (median): " + ", ".join(clocks))
+        lines.append("    SM clock right after each call, MHz (median): " + ", ".join(clocks)
+                     + "; time x clock, M cycles (median): " + ", ".join(cycles))
     for name, res in results:
         lines += [f"    {name}: {res[k]}" for k in ("error", "timing_note") if res.get(k) and (name, k) != ("hmoe", "error")]
     return "\n".join(lines)
