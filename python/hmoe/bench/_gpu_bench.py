@@ -69,6 +69,11 @@ def rounds_of(opts) -> int:
     return max(1, min(opts.rounds or opts.repeats, opts.repeats))
 
 
+def timing_meta(opts) -> dict:
+    """The JSON meta's keys on the timing method: repeats, rounds, warmup and timing_text."""
+    return {"repeats": opts.repeats, "rounds": rounds_of(opts), "warmup": opts.warmup, "timing": timing_text(opts)}
+
+
 def timing_text(opts) -> str:
     """What the benches say about their timing method (the header and the JSON's meta)."""
     how = "eager calls (--eager)" if opts.eager else "CUDA-graph replays (eager where capture fails: see notes)"
@@ -211,7 +216,7 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             run = runs[name][0]
             try:
                 warm_up(run, opts)
-                us = [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush, after=probe if probe.ok else None)]
+                us = [1e3 * ms for ms in membw.cuda_event_ms(run, calls, before=flush, after=probe)]
                 turns[name].append({"round": r, "after": before, "us": us, "mhz": probe.mhz()})
             except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
                 results[name] = {"error": error_text(e)}

@@ -298,8 +298,8 @@ def main(argv=None, prog="python -m hmoe.bench mla") -> int:
             "l2_bytes": getattr(props, "L2_cache_size", None), "torch": torch.__version__, "cuda": torch.version.cuda,
             "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
             "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why, "flashinfer_skipped": fi_skip,
-            "dtype": opts.dtype, "page_size": opts.page_size, "sm_scale": SM_SCALE, "repeats": opts.repeats,
-            "rounds": _gpu_bench.rounds_of(opts), "warmup": opts.warmup, "timing": _gpu_bench.timing_text(opts)}
+            "dtype": opts.dtype, "page_size": opts.page_size, "sm_scale": SM_SCALE,
+            **_gpu_bench.timing_meta(opts)}
     print(f"hmoe.bench mla  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs, L2 "
           f"{(meta['l2_bytes'] or 0) / 2**20:.0f} MiB)  torch {torch.__version__}  hmoe {meta['hmoe']}  flashinfer "
           f"{meta['flashinfer'] or 'unavailable: ' + str(fi_why)}" + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))

@@ -290,8 +290,8 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
     meta = {"gpu": props.name, "cc": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
             "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why,
-            "flashinfer_skipped": fi_skip, "dtype": opts.dtype, "repeats": opts.repeats, "rounds": _gpu_bench.rounds_of(opts),
-            "warmup": opts.warmup, "check_heads": "first, middle and last query head", "timing": _gpu_bench.timing_text(opts)}
+            "flashinfer_skipped": fi_skip, "dtype": opts.dtype,
+            "check_heads": "first, middle and last query head", **_gpu_bench.timing_meta(opts)}
     print(f"hmoe.bench prefill  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs)  torch "
           f"{torch.__version__}  hmoe {meta['hmoe']}  flashinfer {meta['flashinfer'] or 'unavailable: ' + str(fi_why)}"
           + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
