@@ -326,14 +326,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp_uniform(threadIdx.x / 128);
   if (wg == 0) {  // producer
     // The launch gives every thread 168 registers (__launch_bounds__(384, 1)); a consumer's
-    // setmaxnreg.inc waits until the producer's dec has freed what it asks for: 40 + 2 x 232 = 3 x 168.
-    regs_shrink<40>();
+    // setmaxnreg.inc waits until the producer's dec has freed what it asks for: 56 + 2 x 224 = 3 x 168
+    // (at 40 the producer's warps spill; docs/perf/prefill.md, The sm90a kernel).
+    regs_shrink<56>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) produce<DQK, DV>(p, maps, smem, ring);
     if (warp == 1) produce_last_rows<DQK, DV>(p, smem, ring);
     return;
   }
-  regs_grow<232>();
+  regs_grow<224>();
   const int c = wg - 1, tid = threadIdx.x - 128 * wg, warp = tid / 32, lane = tid % 32;
   const int r0 = 16 * warp + lane / 4;  // this thread's rows of the consumer's 64: r0 and r0 + 8
   const int q4 = lane % 4;
@@ -421,13 +422,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The tile counts are warp-uniform, and so said to the compiler: then the buffer addresses and
     // the wgmma descriptors derived from them stay in uniform registers.
     const int n_tiles = warp_uniform(w.n_tiles);
-    const int n_own =
-        warp_uniform(rows > 0 ? (prefill::visible_keys(r, p.causal, first + rows - 1) + kBN - 1) / kBN : 0);
+    const int last_keys = rows > 0 ? prefill::visible_keys(r, p.causal, first + rows - 1) : 0;  // its last row sees
+    const int n_own = warp_uniform((last_keys + kBN - 1) / kBN);
     // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
     const int n_full = warp_uniform(rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0);
     // P V of the last own tile in half (issue_pv): its last row sees at most its first 64 keys.
-    const bool half =
-        warp_uniform(n_own > 0 && prefill::visible_keys(r, p.causal, first + rows - 1) - (n_own - 1) * kBN <= kBN / 2);
+    const bool half = warp_uniform(n_own > 0 && last_keys - (n_own - 1) * kBN <= kBN / 2);
     m_run[0] = m_run[1] = -INFINITY;
     l_run[0] = l_run[1] = 0.f;
 #pragma unroll
