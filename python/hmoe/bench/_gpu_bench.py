@@ -104,12 +104,16 @@ class ClockProbe:
 
         self.ok = callable(getattr(torch.cuda, "_sleep", None))
         self.readings = []
+        self.loaded = False  # the spin kernel (lazily loaded modules), whose load no reading may time
 
     def __call__(self) -> None:
         import torch
 
         if not self.ok:
             return
+        if not self.loaded:
+            torch.cuda._sleep(self.PROBE_CYCLES[0])
+            self.loaded = True
         events = []
         for cycles in self.PROBE_CYCLES:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
