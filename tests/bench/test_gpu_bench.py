@@ -232,8 +232,8 @@ def test_clock_probe_reads_the_sm_clock_without_the_launch_cost(monkeypatch):
 
 
 def test_clock_probe_first_reading_does_not_time_the_kernel_load(monkeypatch):
-    # A lazily loaded spin kernel made the first short spin of a process 100 us longer: the first
-    # reading of a run came out at 5766 MHz on an H200 (its calls ran at 1518-1984).
+    # The spin kernel's first launch pays its load (lazily loaded modules): timed, it would shorten
+    # the difference of the two spins and inflate the first clock read.
     FakeGpu(monkeypatch, mhz=1755.0, load_us=100.0)
     probe = _gpu_bench.ClockProbe()
     probe()

@@ -104,16 +104,21 @@ class ClockProbe:
 
         self.ok = callable(getattr(torch.cuda, "_sleep", None))
         self.readings = []
-        self.loaded = False  # the spin kernel (lazily loaded modules), whose load no reading may time
+        self.warm = False  # the first reading of a process is dropped (below)
 
     def __call__(self) -> None:
-        import torch
-
         if not self.ok:
             return
-        if not self.loaded:
-            torch.cuda._sleep(self.PROBE_CYCLES[0])
-            self.loaded = True
+        if not self.warm:
+            # One reading's spins untimed first: the first of a process also times what a first
+            # launch costs (the spin kernel's lazy load), which inflates its clock.
+            self._spins()
+            self.warm = True
+        self.readings.append(self._spins())
+
+    def _spins(self) -> list:
+        import torch
+
         events = []
         for cycles in self.PROBE_CYCLES:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,7 +126,7 @@ class ClockProbe:
             torch.cuda._sleep(cycles)
             end.record()
             events.append((start, end))
-        self.readings.append(events)
+        return events
 
     def mhz(self) -> list:
         """MHz of each reading queued since the last mhz() (the events must have completed)."""
