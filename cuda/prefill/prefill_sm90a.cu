@@ -422,7 +422,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The tile counts are warp-uniform, and so said to the compiler: then the buffer addresses and
     // the wgmma descriptors derived from them stay in uniform registers.
     const int n_tiles = warp_uniform(w.n_tiles);
-    const int last_keys = rows > 0 ? prefill::visible_keys(r, p.causal, first + rows - 1) : 0;  // its last row sees
+    // The keys this consumer's last row sees.
+    const int last_keys = rows > 0 ? prefill::visible_keys(r, p.causal, first + rows - 1) : 0;
     const int n_own = warp_uniform((last_keys + kBN - 1) / kBN);
     // Tiles every row of this consumer sees whole need no mask (the fast softmax also needs scale > 0).
     const int n_full = warp_uniform(rows > 0 && scale > 0.f ? prefill::visible_keys(r, p.causal, first) / kBN : 0);

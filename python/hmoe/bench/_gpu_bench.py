@@ -104,13 +104,13 @@ class ClockProbe:
 
         self.ok = callable(getattr(torch.cuda, "_sleep", None))
         self.readings = []
-        self.warm = False  # the first reading of a process is dropped (below)
+        self.warm = False  # whether the untimed first pair of spins has run (__call__)
 
     def __call__(self) -> None:
         if not self.ok:
             return
         if not self.warm:
-            # One reading's spins untimed first: the first of a process also times what a first
+            # One reading's spins untimed first: the first in a process also times what a first
             # launch costs (the spin kernel's lazy load), which inflates its clock.
             self._spins()
             self.warm = True
