@@ -128,6 +128,11 @@ class ClockProbe:
             events.append((start, end))
         return events
 
+    def discard(self) -> None:
+        """Forgets the readings queued since the last mhz() (a turn that failed: its events may
+        never complete)."""
+        self.readings = []
+
     def mhz(self) -> list:
         """MHz of each reading queued since the last mhz() (the events must have completed)."""
         short, long = self.PROBE_CYCLES
@@ -230,7 +235,7 @@ def time_all(impls: dict, opts, flush, progress, label: str, notes: dict | None 
             except Exception as e:  # noqa: BLE001 - reported in the table; the others still run
                 results[name] = {"error": error_text(e)}
                 outs.pop(name, None)
-                probe.readings = []
+                probe.discard()
             before = name
     for name, (_, timing, note, _) in runs.items():
         if name not in results:
