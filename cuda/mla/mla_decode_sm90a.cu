@@ -12,7 +12,7 @@
 //               tensor, which arrive as zeros), on the tile buffer's "full" mbarrier, after its
 //               "empty" one says both consumers are done.
 //   consumers   a seesaw: consumer c (0, 1) computes S = Q K^T (wgmma m64n32k16, 36 k-steps, fp32;
-//               Q of the last 12 from registers) and the online softmax of the tiles i with
+//               Q of the last 14 from registers) and the online softmax of the tiles i with
 //               i % 2 == c, writing P (rounded to the input dtype) into the tile's rope block,
 //               dead once S is done (64 x 32 in the 64-byte swizzle), and the tile's rescale
 //               factors and running max into shared memory; it then arrives on named barrier
@@ -68,11 +68,12 @@ constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
 constexpr int kMinHeads = 33;
 // S's k-steps (16 dims each), of which the last kRegSteps take Q from registers (wgmma with A in
-// registers): S reads all of Q for every tile, and this cuts those shared-memory reads by a third.
-// 12 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16);
-// H200, 64x4096x128: 8 ran 131-133 us, 12 126 us, none 139 us.
+// registers): S reads all of Q for every tile, and this cuts those shared-memory reads by 14 / 36.
+// 14 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16; 16
+// spills); H200, 64x4096x128: none 139 us, 8 131-133, 12 126 and, a later build, 12 117.4-118.1
+// against 14 116.5-117.0.
 constexpr int kSteps = 4 * kBlocks;
-constexpr int kRegSteps = 12;
+constexpr int kRegSteps = 14;
 static_assert(kRegSteps > 0 && kRegSteps <= kSteps, "the register k-steps are a tail of S's");
 // fewer heads: the portable family (see mla_decode_declines)
 static_assert(kMlaDimPe == 64, "the rope dims are one block");
@@ -256,12 +257,12 @@ __device__ __forceinline__ void consume(const MlaDecodeParams& p, uint32_t smem,
       zero_tail(buf, valid, 4, tid);
     }
     float mx[2] = {-INFINITY, -INFINITY};
+    const int lim = valid - 2 * q4;  // token 8 j + 2 q4 + e is inside when 8 j + e < lim (immediates)
 #pragma unroll
     for (int j = 0; j < kTile / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int tok = 8 * j + 2 * q4 + (e & 1);
-        s[4 * j + e] = tok < valid ? s[4 * j + e] * scale : -INFINITY;
+        s[4 * j + e] = 8 * j + (e & 1) < lim ? s[4 * j + e] * scale : -INFINITY;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
       }
     // The row maxima (over the row's four lanes) matter only where the running max moves, which a
