@@ -183,6 +183,11 @@ function(hmoe_add_cuda_family fam)
                          $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr>)
   target_compile_definitions(${fam} PRIVATE ${_defs})
   target_include_directories(${fam} PRIVATE "${PROJECT_SOURCE_DIR}/cuda")
+  # Every CUDA compile through cmake/ptxas_guard.py (ptxas's wgmma serialisation notes fail it),
+  # before any launcher the build was given (ccache).
+  set(_launch "${Python_EXECUTABLE}" "${PROJECT_SOURCE_DIR}/cmake/ptxas_guard.py")
+  list(APPEND _launch ${CMAKE_CUDA_COMPILER_LAUNCHER})
+  set_target_properties(${fam} PROPERTIES CUDA_COMPILER_LAUNCHER "${_launch}")
   message(STATUS "hmoe: CUDA family ${fam}: ${HMOE_GPU_OPS_${fam}}; SASS ${HMOE_GPU_SASS_${fam}}; PTX ${HMOE_GPU_PTX_${fam}}")
   set_property(GLOBAL APPEND PROPERTY HMOE_MANIFEST_FAMILIES
                "\"${fam}\": {\"module\": \"hmoe._native.${fam}\", \"ops\": ${_ops}, \"sass\": ${_sass}, \"ptx\": ${_ptx}}")
