@@ -1,11 +1,13 @@
 """The CUDA compile launcher of hmoe's build: runs the compile it is given and fails it when ptxas
-reports that it serialised the wgmma of a kernel or made it wait for a group in flight.
+reports that it made a kernel slower than written, as when it serialises the kernel's wgmma or
+makes it wait for a group in flight.
 
 ptxas prints these as "info" lines, not warnings, and the build succeeds: a kernel built so runs,
 passes every test and is slower by up to 1.7x (docs/perf/prefill.md). Flagged:
-  - "Potential Performance Loss: wgmma.mma_async instructions are serialized ..." (C7510-C7518),
-  - "warpgroup.wait is injected ..." (C7517: a wait for every group in flight before a register use).
-"warpgroup.arrive is injected" (C7519, a fence) is allowed.
+  - every "(C75..) Potential Performance Loss: ..." note, e.g. "wgmma.mma_async instructions are
+    serialized due to ..." (C7510-C7518),
+  - "(C7517) warpgroup.wait is injected ...": a wait for every group in flight before a register use.
+"(C7519) warpgroup.arrive is injected" (a fence) is allowed.
 
     python ptxas_guard.py COMPILER ARGS...    (CMake: the CUDA_COMPILER_LAUNCHER of the CUDA modules)
 
@@ -41,14 +43,14 @@ def _demangled(names):
 
 
 def report(notes, source):
-    lines = [f"hmoe: ptxas serialised wgmma or made it wait for a group in flight, compiling {source}:"]
+    lines = [f"hmoe: ptxas made kernels slower than written, compiling {source}:"]
     found = [_FUNCTION.search(msg) for _, msg in notes]
     names = iter(_demangled([m.group(1) for m in found if m]))
     for (code, msg), fn in zip(notes, found):
         what = _FUNCTION.sub("", msg).strip().rstrip(".")
         lines.append(f"  {code}: {what}" + (f"\n         in {next(names)}" if fn else ""))
-    lines.append("  The kernel would run correct and slow. Usual causes: registers of a wgmma group in flight read "
-                 "or written by other instructions, on a divergent path, or across a loop's back edge "
+    lines.append("  The kernel would run correct and slow. Usual causes of serialised wgmma: registers of a group "
+                 "in flight read or written by other instructions, on a divergent path, or across a loop's back edge "
                  "(docs/perf/prefill.md, docs/perf/mla_decode.md). HMOE_PTXAS_GUARD=warn builds it anyway "
                  "(lab builds only).")
     return "\n".join(lines)
