@@ -70,8 +70,7 @@ constexpr int kMinHeads = 33;
 // S's k-steps (16 dims each), of which the last kRegSteps take Q from registers (wgmma with A in
 // registers): S reads all of Q for every tile, and this cuts those shared-memory reads by 14 / 36.
 // 14 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16; 16
-// spills); H200, 64x4096x128: none 139 us, 8 131-133, 12 126 and, a later build, 12 117.4-118.1
-// against 14 116.5-117.0.
+// spills). Measured counts: docs/perf/mla_decode.md, The sm90a kernel.
 constexpr int kSteps = 4 * kBlocks;
 constexpr int kRegSteps = 14;
 static_assert(kRegSteps > 0 && kRegSteps <= kSteps, "the register k-steps are a tail of S's");
