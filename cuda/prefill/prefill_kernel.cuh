@@ -22,6 +22,7 @@
 #include "attention/softmax.cuh"
 #include "common/cuda_util.h"
 #include "hmoe/prefill.h"
+#include "prefill/prefill_portable.h"
 #include "prefill/prefill_schedule.cuh"
 
 namespace hmoe {
@@ -109,9 +110,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   const int slot = blockIdx.x % p.max_items, h = blockIdx.x / p.max_items;
   const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
   if (item.x < 0) return;  // an unused slot of the work list
-  const int b = item.x, q_first = item.y * BM;
+  const int b = item.x;
   const Request r = request(p, b);
-  const int q_rows = min(BM, r.lq - q_first);
+  const QTile tile = q_tile(r, item.y, BM, kPortableQOrder);
+  const int q_first = tile.first, q_rows = tile.rows;
   const int kvh = h / (p.heads / p.kv_heads);
   const int n_keys = visible_keys(r, p.causal, q_first + q_rows - 1);  // what the last row sees
   const int n_tiles = (n_keys + BN - 1) / BN;

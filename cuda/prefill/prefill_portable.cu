@@ -87,7 +87,7 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   PrefillParams p = p0;
   p.max_items = plan.max_items;
-  launch_schedule(p, plan.tile_q, stream, "prefill");
+  launch_schedule(p, plan.tile_q, kPortableQOrder, stream, "prefill");
   with_dims(p.head_dim_qk, p.head_dim_v, [&](auto dqk, auto dv) {
     portable_kernel_launch<decltype(dqk)::value, decltype(dv)::value>(p, plan.config, stream);
   });

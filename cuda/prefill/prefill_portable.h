@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "hmoe/prefill.h"
+#include "prefill/prefill_schedule.cuh"
 
 namespace hmoe {
 namespace prefill {
@@ -22,6 +23,9 @@ constexpr PortableConfig kPortableConfigs[] = {
 constexpr int kNumPortableConfigs = int(sizeof(kPortableConfigs) / sizeof(kPortableConfigs[0]));
 
 constexpr int portable_tile_q(const PortableConfig& c) { return 32 * c.warps; }
+// The q tiles of a request counted from its end (q_tile): every row of a CTA walks the keys its
+// last row sees, so a partial tile at the request's end would cost as much as the heaviest.
+constexpr QOrder kPortableQOrder = QOrder::kFromEnd;
 constexpr int portable_smem(const PortableConfig& c) {
   return portable_tile_q(c) * 2 * c.dqk + c.kstages * c.bn * 2 * c.dqk + 2 * c.bn * 2 * c.dv;
 }

@@ -48,6 +48,29 @@ __device__ __forceinline__ int visible_keys(const Request& r, int causal, int i)
   return causal ? min(r.lk, max(0, r.lk - (r.lq - 1 - i))) : r.lk;
 }
 
+// The order of a request's q tiles (tile_q rows each), each family's choice; q tile k holds rows
+// [first, first + rows) of the request's queries.
+//   kFromStart  tile k starts at query k tile_q; the request's last queries may form a partial tile.
+//   kFromEnd    tile k ends k tile_q queries before the request's end; its first queries may form
+//               a partial tile.
+// Under the causal mask a partial tile at a request's end sees every key (its CTA costs as much as
+// the request's heaviest), one at its start sees the first keys only. From the end, a q tile's
+// diagonal no longer lines up with key tiles counted from the request's first key (one masked key
+// tile more a q tile). What each family measured: docs/perf/prefill.md.
+enum class QOrder { kFromStart, kFromEnd };
+struct QTile {
+  int first, rows;
+};
+__device__ __forceinline__ QTile q_tile(const Request& r, int k, int tile_q, QOrder order) {
+  if (order == QOrder::kFromStart) {  // k < the request's tile count (the schedule's items)
+    const int first = k * tile_q;
+    return {first, min(tile_q, r.lq - first)};
+  }
+  const int end = int(max(int64_t(r.lq) - int64_t(k) * tile_q, int64_t(0)));
+  const int first = max(end - tile_q, 0);
+  return {first, end - first};
+}
+
 // The workspace of a call (plan.workspace int32 words): the work list first (what the attention
 // kernel reads), then the schedule's scratch, then a counter the schedule zeroes (a persistent
 // attention kernel hands out work items with it).
@@ -93,14 +116,15 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total, int* warp
   return before;
 }
 
-// One block: (1) the q tiles of each request (tile_q rows each) and their running sum; (2) every
-// tile's cost, the keys its last row sees (what its CTA walks), as a bucket; (3) a counting sort,
-// heaviest first, so that the light tiles end the grid (the hardware hands CTAs to SMs in order);
-// (4) the work list {request, q tile}, then {-1, 0} in the unused slots. The order within a bucket
-// depends on atomics, the results do not: each tile's CTA computes the same thing wherever it runs.
+// One block: (1) the q tiles of each request (tile_q rows each, in the family's order) and their
+// running sum; (2) every tile's cost, the keys its last row sees (what its CTA walks), as a bucket;
+// (3) a counting sort, heaviest first, so that the light tiles end the grid (the hardware hands
+// CTAs to SMs in order); (4) the work list {request, q tile}, then {-1, 0} in the unused slots. The
+// order within a bucket depends on atomics, the results do not: each tile's CTA computes the same
+// thing wherever it runs.
 // A template only so that a translation unit that does not launch it compiles no copy of it.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) prefill_schedule_kernel(const PrefillParams p, int tile_q) {
+__global__ void __launch_bounds__(kThreads) prefill_schedule_kernel(const PrefillParams p, int tile_q, QOrder order) {
   static_assert(kThreads == kScheduleThreads, "the bucket scan gives each thread kScheduleBuckets / kThreads buckets");
   __shared__ int bucket[kScheduleBuckets];
   __shared__ int warp_sums[32];
@@ -137,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) prefill_schedule_kernel(const Prefil
     }
     const int qt = w - tile_start[lo];
     const Request r = request(p, lo);
-    const int last = int(min(int64_t(qt + 1) * tile_q, int64_t(r.lq))) - 1;
-    const int key = min(visible_keys(r, p.causal, last) / 64, kScheduleBuckets - 1);
+    const QTile tile = q_tile(r, qt, tile_q, order);
+    const int key = min(visible_keys(r, p.causal, tile.first + tile.rows - 1) / 64, kScheduleBuckets - 1);
     items[w] = make_int2(lo, qt);
     keys[w] = key;
     atomicAdd(&bucket[key], 1);
@@ -185,8 +209,8 @@ inline bool work_list_fits(const PrefillParams& p, const PrefillPlan& plan) {
 // attention kernel; `op` names the caller in errors. A template, like the kernel, so that only a
 // translation unit that calls it compiles the kernel.
 template <int kThreads = kScheduleThreads>
-void launch_schedule(const PrefillParams& p, int tile_q, cudaStream_t stream, const char* op) {
-  prefill_schedule_kernel<kThreads><<<1, kThreads, 0, stream>>>(p, tile_q);
+void launch_schedule(const PrefillParams& p, int tile_q, QOrder order, cudaStream_t stream, const char* op) {
+  prefill_schedule_kernel<kThreads><<<1, kThreads, 0, stream>>>(p, tile_q, order);
   check_cuda(cudaGetLastError(), op, "schedule launch");
 }
 

@@ -60,13 +60,16 @@ constexpr int kThreads = 384;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kLast = 8;           // rows of the boxes of a tile's last part
 
 constexpr int kTailHeads = 4;  // the last heads, whose items are taken in turns (Work::fetch)
+// A request's q tiles from its start (prefill::q_tile): from its end, each tile's causal diagonal
+// spans two key tiles (no gain at 192 x 128, 1.5% more cycles at 128 x 128: docs/perf/prefill.md).
+constexpr prefill::QOrder kQOrder = prefill::QOrder::kFromStart;
 
-// One work item: q tile `q_first / kBM` of request r, query head h. The TMA thread reads item i
-// of the `total` from the work list and passes it on to every role of the CTA (ItemRing). Items go
-// head by head (the CTAs at work share a head's K/V in L2), each head's heaviest first, except that
-// the last kTailHeads heads take turns, item by item: the run then ends on the lightest items of
-// several heads, not on one head's whole range from heaviest to lightest, which left SMs idle
-// while others finished a heavy item.
+// One work item: q tile item.y of request r (prefill::q_tile: rows [q_first, q_first + q_rows)),
+// query head h. The TMA thread reads item i of the `total` from the work list and passes it on to
+// every role of the CTA (ItemRing). Items go head by head (the CTAs at work share a head's K/V in
+// L2), each head's heaviest first, except that the last kTailHeads heads take turns, item by item:
+// the run then ends on the lightest items of several heads, not on one head's whole range from
+// heaviest to lightest, which left SMs idle while others finished a heavy item.
 struct Work {
   Request r;
   int h, kvh, q_first, q_rows, n_tiles;
@@ -82,8 +85,9 @@ struct Work {
     w.state = item.x >= 0 ? 1 : 0;
     w.r = prefill::request(p, w.state ? item.x : 0);
     w.kvh = w.h / (p.heads / p.kv_heads);
-    w.q_first = item.y * kBM;
-    w.q_rows = min(kBM, w.r.lq - w.q_first);
+    const prefill::QTile tile = prefill::q_tile(w.r, item.y, kBM, kQOrder);
+    w.q_first = tile.first;
+    w.q_rows = tile.rows;
     w.n_tiles = w.state ? (prefill::visible_keys(w.r, p.causal, w.q_first + w.q_rows - 1) + kBN - 1) / kBN : 0;
     return w;
   }
@@ -619,7 +623,7 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   PrefillParams p = p0;
   p.max_items = plan.max_items;
-  prefill::launch_schedule(p, kBM, stream, "ragged_prefill");
+  prefill::launch_schedule(p, kBM, kQOrder, stream, "ragged_prefill");
   const char* op = "ragged_prefill";
   const auto sw = CU_TENSOR_MAP_SWIZZLE_128B;
   Maps maps;
