@@ -1,7 +1,9 @@
 // MLA decode (absorbed form) for Hopper, sm_90a only: wgmma, TMA and warp specialisation. The same
 // op, params, page-walk bounds rules, split-KV partials and combine pass as the portable kernel
-// (mla_decode_portable.cu); the dispatcher sends it calls with more than 32 heads and page sizes
-// that are multiples of 16 (mla_decode_declines) and the rest to the portable family.
+// (mla_decode_portable.cu); the dispatcher sends it calls with more than 16 heads and page sizes
+// that are multiples of 16 (mla_decode_declines) and the rest to the portable family. Fewer heads
+// than 64 leave rows of its wgmma tiles as padding (Q's box reads other requests' rows or zeros
+// there; their results are never written).
 //
 // One CTA = (KV split, 64 heads, request) and three warpgroups, walking the cache in 32-token tiles
 // through a ring of four. Shared memory holds the CTA's Q (64 heads x 576 dims) and the ring, as
@@ -66,7 +68,7 @@ constexpr int kTileBytes = kBlocks * kBlockBytes;
 constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
-constexpr int kMinHeads = 33;
+constexpr int kMinHeads = 17;
 // S's k-steps (16 dims each), of which the last kRegSteps take Q from registers (wgmma with A in
 // registers): S reads all of Q for every tile, and this cuts those shared-memory reads by 14 / 36.
 // 14 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16; 16
@@ -566,8 +568,8 @@ int box_rows(int page_size) { return std::gcd(page_size, kTile); }
 
 const char* mla_decode_declines(int heads, int page_size) {
   if (heads < kMinHeads)
-    return "32 heads or fewer: memory-bound, the portable kernel's 16- and 32-head CTAs read the cache at "
-           "full speed where this kernel's 64-row wgmma tiles would do 2x or more of the work";
+    return "16 heads or fewer: on long calls the portable kernel's 16-head CTAs read the cache faster than this "
+           "kernel's 64-row wgmma tiles, three quarters of them padding";
   if (page_size % 16 != 0) return "page size not a multiple of 16: its TMA boxes need 16-row steps";
   return nullptr;
 }

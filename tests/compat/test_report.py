@@ -368,7 +368,7 @@ def test_colour_only_when_asked(env):
 
 def _two_mla_families(monkeypatch):
     """A manifest whose mla_decode has both families (portable, sm90a) and fake modules for them:
-    sm90a declines 32 heads or fewer, as the real one does."""
+    sm90a declines 16 heads or fewer, as the real one does."""
     from hmoe import _build_info
 
     R = importlib.import_module("hmoe.compat.report")
@@ -383,7 +383,7 @@ def _two_mla_families(monkeypatch):
         m.signatures = lambda name=name: _native.expected_table(name)
         m.constants = spec.constants
         m.mla_decode_declines = (lambda h, p: "") if name == "portable" else \
-            (lambda h, p: "few heads are memory-bound" if h <= 32 else "")
+            (lambda h, p: "few heads are memory-bound" if h <= 16 else "")
         monkeypatch.setitem(sys.modules, f"hmoe._native.{name}", m)
     real = R._file
     monkeypatch.setattr(R, "_file", lambda m: f"/fake/{m}.so" if m in ("portable", "sm90a") else real(m))

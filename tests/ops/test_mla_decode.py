@@ -65,13 +65,13 @@ def run_and_check(B, H, lens, page, dtype, seed, variant, **kw):
 @pytest.mark.gpu
 def test_which_shapes_each_variant_serves(variant):
     idx = torch.cuda.current_device()
-    shapes = [(H, page) for H in (1, 16, 32, 33, 64, 128) for page in (1, 8, 16, 24, 32, 64, 128)]
+    shapes = [(H, page) for H in (1, 16, 17, 32, 33, 64, 128) for page in (1, 8, 16, 24, 32, 64, 128)]
     declined = {(H, page) for H, page in shapes if not serves(variant, idx, H, page)}
     if variant == "portable":  # every shape
         assert declined == set()
-    else:  # 32 heads or fewer, and page sizes that are not a multiple of 16
-        assert declined == {(H, page) for H, page in shapes if H <= 32 or page % 16}
-        assert mla_mod.route(idx, 128, 64).variant == mla_mod.route(idx, 33, 16).variant == "sm90a"
+    else:  # 16 heads or fewer, and page sizes that are not a multiple of 16
+        assert declined == {(H, page) for H, page in shapes if H <= 16 or page % 16}
+        assert mla_mod.route(idx, 128, 64).variant == mla_mod.route(idx, 17, 16).variant == "sm90a"
 
 
 @pytest.mark.gpu

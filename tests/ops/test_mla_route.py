@@ -16,13 +16,13 @@ from hmoe.ops import _cuda, mla  # noqa: E402
 
 from ..hardware import fake_nvml as F  # noqa: E402
 
-FEW_HEADS = "few heads are memory-bound: the portable kernel's 16/32-head CTAs suit them"
+FEW_HEADS = "few heads: the portable kernel's 16-head CTAs suit them"
 KERNELS = {f: {"sass": sass, "ptx": ptx, "op": "mla_decode", "family": f, "module": f"hmoe._native.fake_{f}"}
            for f, sass, ptx in (("portable", ["80", "89", "90"], ["90"]), ("sm90a", ["90a"], []))}
 
 
 def sm90a_rule(heads, page_size):
-    if heads <= 32:
+    if heads <= 16:
         return FEW_HEADS
     return f"page size {page_size} is not a multiple of 16" if page_size % 16 else ""
 
