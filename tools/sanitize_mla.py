@@ -1,7 +1,9 @@
 """A few hmoe.ops.mla_decode calls of one variant, small enough to run under compute-sanitizer:
 partial last tiles, lengths 0, 1 and page boundaries, several tiles, KV splits (and on sm90a a batch
-whose two splits merge in the kernel, a cluster of two CTAs), page sizes 16 and 64, bf16 and fp16, lse. Every output is checked for NaN/inf (a sanitizer run checks the memory accesses;
-tests/ops/test_mla_decode.py checks the values).
+whose two splits merge in the kernel, a cluster of two CTAs), 16, 24, 64 and 128 heads (sm90a serves
+24 with padded tile rows), page sizes 16, 32 and 64, bf16 and fp16, lse. Every output is checked
+for NaN/inf (a sanitizer run checks the memory accesses; tests/ops/test_mla_decode.py checks the
+values).
 
     compute-sanitizer --tool racecheck python3 tools/sanitize_mla.py sm90a
     (also --tool memcheck, --tool synccheck; the variant: portable or sm90a, default sm90a)

@@ -68,7 +68,7 @@ constexpr int kTileBytes = kBlocks * kBlockBytes;
 constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
-constexpr int kMinHeads = 17;
+constexpr int kMinHeads = 17;  // fewer heads: the portable family (see mla_decode_declines)
 // S's k-steps (16 dims each), of which the last kRegSteps take Q from registers (wgmma with A in
 // registers): S reads all of Q for every tile, and this cuts those shared-memory reads by 14 / 36.
 // 14 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16; 16
@@ -76,7 +76,6 @@ constexpr int kMinHeads = 17;
 constexpr int kSteps = 4 * kBlocks;
 constexpr int kRegSteps = 14;
 static_assert(kRegSteps > 0 && kRegSteps <= kSteps, "the register k-steps are a tail of S's");
-// fewer heads: the portable family (see mla_decode_declines)
 static_assert(kMlaDimPe == 64, "the rope dims are one block");
 
 // Shared memory, offsets from a 1024-byte aligned base (the launcher adds 1024 bytes of slack).

@@ -48,8 +48,8 @@ __device__ __forceinline__ int visible_keys(const Request& r, int causal, int i)
   return causal ? min(r.lk, max(0, r.lk - (r.lq - 1 - i))) : r.lk;
 }
 
-// The order of a request's q tiles (tile_q rows each), each family's choice; q tile k holds rows
-// [first, first + rows) of the request's queries.
+// The order of a request's q tiles (tile_q rows each), each family's choice; q tile k (below the
+// request's tile count: the schedule's items) holds rows [first, first + rows) of its queries.
 //   kFromStart  tile k starts at query k tile_q; the request's last queries may form a partial tile.
 //   kFromEnd    tile k ends k tile_q queries before the request's end; its first queries may form
 //               a partial tile.
@@ -62,7 +62,7 @@ struct QTile {
   int first, rows;
 };
 __device__ __forceinline__ QTile q_tile(const Request& r, int k, int tile_q, QOrder order) {
-  if (order == QOrder::kFromStart) {  // k < the request's tile count (the schedule's items)
+  if (order == QOrder::kFromStart) {
     const int first = k * tile_q;
     return {first, min(tile_q, r.lq - first)};
   }
