@@ -118,7 +118,7 @@ PYBIND11_MODULE(HMOE_MODULE_NAME, m) {
     return py::make_tuple(p.num_splits, p.config, p.loader, p.heads_per_cta, p.tile_tokens, p.smem_bytes, p.cluster);
   });
   HMOE_DEF(m, mla_decode_declines, {
-    const char* why = hmoe::mla_decode_declines(heads, page_size);
+    const char* why = hmoe::mla_decode_declines(sms, batch, heads, max_pages, page_size);
     return py::str(why == nullptr ? "" : why);
   });
 #endif

@@ -23,9 +23,10 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
 void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int device, uintptr_t stream,
                        EagerGraph* graph = nullptr);
 
-// Why this family does not serve calls of this shape (the dispatcher then runs them on the portable
-// family and says why), or nullptr when it serves them. Shapes only: the answer never changes.
-const char* mla_decode_declines(int heads, int page_size);
+// Why this family does not serve calls of this shape on a device of `sms` SMs (the dispatcher then
+// runs them on the portable family and says why), or nullptr when it serves them. Shapes only (max_pages:
+// the page table's width, as in the plan): the answer never changes.
+const char* mla_decode_declines(int sms, int batch, int heads, int max_pages, int page_size);
 
 // Sets the shared-memory attributes of every configuration on `device` (lazy work that must
 // not happen inside CUDA-graph capture).

@@ -485,7 +485,7 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   return plan;
 }
 
-const char* mla_decode_declines(int, int) { return nullptr; }  // every shape, any page size
+const char* mla_decode_declines(int, int, int, int, int) { return nullptr; }  // every shape, any page size
 
 void mla_decode_prewarm(int device) {
   const DeviceGuard guard(device, "mla_decode");

@@ -1,9 +1,9 @@
 // MLA decode (absorbed form) for Hopper, sm_90a only: wgmma, TMA and warp specialisation. The same
 // op, params, page-walk bounds rules, split-KV partials and combine pass as the portable kernel
-// (mla_decode_portable.cu); the dispatcher sends it calls with more than 16 heads and page sizes
-// that are multiples of 16 (mla_decode_declines) and the rest to the portable family. Fewer heads
-// than 64 leave rows of its wgmma tiles as padding (Q's box reads other requests' rows or zeros
-// there; their results are never written).
+// (mla_decode_portable.cu); the dispatcher sends it calls with page sizes that are multiples of 16,
+// except those of 16 heads or fewer where the portable kernel is faster (mla_decode_declines), and the
+// rest to the portable family. Fewer heads than 64 leave rows of its wgmma tiles as padding (Q's box
+// reads other requests' rows or zeros there; their results are never written).
 //
 // One CTA = (KV split, 64 heads, request) and three warpgroups, walking the cache in 32-token tiles
 // through a ring of four. Shared memory holds the CTA's Q (64 heads x 576 dims) and the ring, as
@@ -68,7 +68,12 @@ constexpr int kTileBytes = kBlocks * kBlockBytes;
 constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
-constexpr int kMinHeads = 17;  // fewer heads: the portable family (see mla_decode_declines)
+// 16 heads or fewer: served from kFewHeadsMinTokens cached tokens (batch x page-table capacity) up, where
+// the grid fits one wave and each CTA walks at most kFewHeadsTiles tiles, or the splits are at their
+// most (mla_decode_declines).
+constexpr int kFewHeads = 16;
+constexpr int kFewHeadsTiles = 32;
+constexpr int64_t kFewHeadsMinTokens = 16384;
 // S's k-steps (16 dims each), of which the last kRegSteps take Q from registers (wgmma with A in
 // registers): S reads all of Q for every tile, and this cuts those shared-memory reads by 14 / 36.
 // 14 is the most the consumers' 240 registers hold without spills (next to O's 128 and S's 16; 16
@@ -563,18 +568,48 @@ bool pairs_fit(int device, int ctas) {
 // Rows a TMA box of the cache covers: the largest power of two <= 32 that divides the page size.
 int box_rows(int page_size) { return std::gcd(page_size, kTile); }
 
+// This family's grid on a device of `sms` SMs (one CTA an SM): the KV splits, the CTAs (requests x head
+// groups x splits) and the tiles each CTA walks.
+struct Grid {
+  int splits;
+  int64_t ctas;
+  int tiles_per_cta;
+};
+Grid plan_grid(int sms, int batch, int heads, int max_pages, int page_size) {
+  const int ctas = batch * ((heads + kHeads - 1) / kHeads);
+  const int tiles = std::max(1, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
+  const int splits = mla_num_splits(sms, ctas, tiles);
+  return {splits, int64_t(ctas) * splits, (tiles + splits - 1) / splits};
+}
+
 }  // namespace
 
-const char* mla_decode_declines(int heads, int page_size) {
-  if (heads < kMinHeads)
-    return "16 heads or fewer: on long calls the portable kernel's 16-head CTAs read the cache faster than this "
-           "kernel's 64-row wgmma tiles, three quarters of them padding";
+// With 16 heads or fewer the call is memory-bound and three quarters of each wgmma tile are padding.
+// This kernel (one CTA an SM, a ring of four tiles) against the portable one (16-head CTAs, two an SM),
+// H200 (docs/perf/mla_decode.md, Shapes it declines): 3-15% faster where its grid fits one wave and
+// its CTAs walk 32 tiles or fewer, and 15-38% faster where the splits are at their most (both
+// kernels then run as many CTAs, one an SM); 4-8% slower on longer walks, 8-16% on grids of two waves;
+// level on calls of less cache than kFewHeadsMinTokens, whose eager launch costs the host more here
+// (four tensor maps).
+const char* mla_decode_declines(int sms, int batch, int heads, int max_pages, int page_size) {
   if (page_size % 16 != 0) return "page size not a multiple of 16: its TMA boxes need 16-row steps";
+  if (heads > kFewHeads) return nullptr;
+  if (int64_t(batch) * max_pages * page_size < kFewHeadsMinTokens)
+    return "16 heads or fewer on a cache of fewer than 16384 tokens (batch x page-table capacity): both kernels "
+           "take as long there, and the portable one's launch costs the host less";
+  const Grid g = plan_grid(sms, batch, heads, max_pages, page_size);
+  if (g.ctas > sms)
+    return "16 heads or fewer on more requests than the device has SMs: the portable kernel's 16-head CTAs, two "
+           "an SM, run them in one wave";
+  if (g.tiles_per_cta > kFewHeadsTiles && g.splits < kMlaMaxSplits)
+    return "16 heads or fewer, with more than 32 KV tiles (1024 tokens) a CTA: there the portable kernel's 16-head "
+           "CTAs, two an SM, read the cache faster";
   return nullptr;
 }
 
 MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, int page_size, int config, bool) {
-  if (const char* why = mla_decode_declines(heads, page_size))
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount, "mla_decode (sm90a)");
+  if (const char* why = mla_decode_declines(sms, batch, heads, max_pages, page_size))
     throw std::invalid_argument(std::string("mla_decode (sm90a) does not serve this shape: ") + why);
   if (config > 0)
     throw std::invalid_argument("mla_decode (sm90a): configuration " + std::to_string(config) +
@@ -588,10 +623,8 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   plan.heads_per_cta = kHeads;
   plan.tile_tokens = kTile;
   plan.smem_bytes = Smem::bytes;
-  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount, "mla_decode (sm90a)");
-  const int ctas = batch * ((heads + kHeads - 1) / kHeads);
-  plan.num_splits = mla_num_splits(sms, ctas, int((int64_t(max_pages) * page_size + kTile - 1) / kTile));
-  plan.cluster = plan.num_splits == 2 && pairs_fit(device, ctas) ? 2 : 1;
+  plan.num_splits = plan_grid(sms, batch, heads, max_pages, page_size).splits;
+  plan.cluster = plan.num_splits == 2 && pairs_fit(device, batch * ((heads + kHeads - 1) / kHeads)) ? 2 : 1;
   return plan;
 }
 
@@ -609,8 +642,8 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
   if (p.dtype != kBF16 && p.dtype != kF16) throw std::invalid_argument("mla_decode: dtype must be bf16 or fp16");
   if (int64_t(p.num_pages) * p.page_size > INT32_MAX)
     throw std::invalid_argument("mla_decode: the cache has more than 2^31 - 1 token rows (num_pages * page_size)");
-  if (mla_decode_declines(p.heads, p.page_size) != nullptr || plan.config != 0 || plan.loader != kMlaLoadTma ||
-      plan.num_splits != p.num_splits || p.num_splits < 1 || p.num_splits > kMlaMaxSplits ||
+  if (p.page_size % 16 != 0 || plan.config != 0 || plan.loader != kMlaLoadTma || plan.num_splits != p.num_splits ||
+      p.num_splits < 1 || p.num_splits > kMlaMaxSplits ||
       (plan.cluster != 1 && !(plan.cluster == 2 && p.num_splits == 2)))
     throw std::invalid_argument("mla_decode: the plan does not fit this call (compute it with mla_decode_plan)");
   const DeviceGuard guard(device, "mla_decode");

@@ -52,7 +52,7 @@
 #define HMOE_ARGS_mla_decode HMOE_ARGS_mla_decode_check, (bool, return_lse), (i32, config), (bool, allow_tma)
 #define HMOE_ARGS_mla_decode_plan \
   (i32, device), (i32, batch), (i32, heads), (i32, max_pages), (i32, page_size), (i32, config), (bool, allow_tma)
-#define HMOE_ARGS_mla_decode_declines (i32, heads), (i32, page_size)
+#define HMOE_ARGS_mla_decode_declines (i32, sms), (i32, batch), (i32, heads), (i32, max_pages), (i32, page_size)
 #define HMOE_ARGS_mla_rope_append                                                                      \
   (tensor, q), (tensor, kv), (tensor, norm_weight), (tensor, cos), (tensor, sin), (tensor, ckv_cache), \
       (tensor, kpe_cache), (tensor, page_table), (tensor, seq_lens), (float, eps), (str, rope_layout)

@@ -260,4 +260,5 @@ def test_tiny_end_to_end(tmp_path, capsys, mode):
     chosen = _cuda.select("mla_decode", idx).variant  # the device's (sm90a on 9.0), said in the header
     assert data["meta"]["hmoe_variant"].startswith(f"{chosen} (") and f"hmoe variant: {chosen} (" in out
     for r in data["results"]:  # and the variant that ran each shape: the route's (portable for few heads)
-        assert r["hmoe"]["variant"] == mla.route(idx, r["H"], 64).variant and r["hmoe"]["plan"], r["hmoe"]
+        assert r["hmoe"]["variant"] == mla.route(idx, r["B"], r["H"], -(-r["S"] // 64), 64).variant and \
+            r["hmoe"]["plan"], r["hmoe"]

@@ -368,7 +368,7 @@ def test_colour_only_when_asked(env):
 
 def _two_mla_families(monkeypatch):
     """A manifest whose mla_decode has both families (portable, sm90a) and fake modules for them:
-    sm90a declines 16 heads or fewer, as the real one does."""
+    sm90a declines 16 heads or fewer on long walks (a rule by the shape and the SM count, as the real one's)."""
     from hmoe import _build_info
 
     R = importlib.import_module("hmoe.compat.report")
@@ -382,8 +382,8 @@ def _two_mla_families(monkeypatch):
         m.abi_version = lambda: spec.constants()["abi_version"]
         m.signatures = lambda name=name: _native.expected_table(name)
         m.constants = spec.constants
-        m.mla_decode_declines = (lambda h, p: "") if name == "portable" else \
-            (lambda h, p: "few heads are memory-bound" if h <= 16 else "")
+        m.mla_decode_declines = (lambda sms, b, h, mp, p: "") if name == "portable" else \
+            (lambda sms, b, h, mp, p: "few heads are memory-bound" if h <= 16 and b * mp * p > 64 * sms else "")
         monkeypatch.setitem(sys.modules, f"hmoe._native.{name}", m)
     real = R._file
     monkeypatch.setattr(R, "_file", lambda m: f"/fake/{m}.so" if m in ("portable", "sm90a") else real(m))
@@ -393,7 +393,7 @@ def _two_mla_families(monkeypatch):
 
 def test_both_mla_families_per_device_and_shape(env, monkeypatch):
     _two_mla_families(monkeypatch)
-    rep, text = run(simulate_gpu=["9.0", "8.6"], mla_shapes=[(64, 4096, 16, 64), (64, 4096, 128, 64)])
+    rep, text = run(simulate_gpu=["9.0", "8.6"], mla_shapes=[(64, 4096, 16, 64), (64, 4096, 128, 64), (1, 4096, 16, 64)])
     h, a = [r for r in rep["selections"] if r["op"] == "mla_decode"]
     assert (h["variant"], h["target"], h["reason"]) == ("sm90a", "sm_90a", "native: sm_90a SASS")
     assert h["alternatives"] == [{"variant": "portable", "target": "sm_90", "ok": True, "reason":
@@ -405,16 +405,19 @@ def test_both_mla_families_per_device_and_shape(env, monkeypatch):
     assert "  also portable (sm_90): native: sm_90 SASS; runs the shapes sm90a declines" in text
     assert "  also sm90a: unsupported: built for sm_90a SASS; none runs on 8.6" in text
     runs = {(p["device"][:6], p["shape"]): (p["variant"], p["reason"]) for p in rep["plans"]}
+    declined = ("fallback: sm90a declines 64 requests of up to 4096 tokens, 16 heads, page size 64: few heads are "
+                "memory-bound (as on 132 SMs)")
+    sm80 = ("portable", "fallback: sm_80 SASS on 8.6 (same major)")
     assert runs == {
-        ("cuda:0", "64x4096x16 page 64"): ("portable", "fallback: sm90a declines 16 heads, page size 64: "
-                                                       "few heads are memory-bound"),
-        ("cuda:0", "64x4096x128 page 64"): ("sm90a", "native: sm_90a SASS"),
-        ("cuda:1", "64x4096x16 page 64"): ("portable", "fallback: sm_80 SASS on 8.6 (same major)"),
-        ("cuda:1", "64x4096x128 page 64"): ("portable", "fallback: sm_80 SASS on 8.6 (same major)")}
+        ("cuda:0", "64x4096x16 page 64"): ("portable", declined),
+        ("cuda:0", "64x4096x128 page 64"): ("sm90a", "native: sm_90a SASS (as on 132 SMs)"),
+        ("cuda:0", "1x4096x16 page 64"): ("sm90a", "native: sm_90a SASS (as on 132 SMs)"),  # a short walk
+        ("cuda:1", "64x4096x16 page 64"): sm80, ("cuda:1", "64x4096x128 page 64"): sm80,
+        ("cuda:1", "1x4096x16 page 64"): sm80}
     assert all(p["plan"] is None and p["error"].startswith("plans need the real GPU") for p in rep["plans"])
-    assert ("cuda:0 (simulated GPU, 9.0)  64x4096x16 page 64: portable (fallback: sm90a declines 16 heads, "
-            "page size 64: few heads are memory-bound): no plan: plans need the real GPU") in text
-    monkeypatch.setattr(sys.modules["hmoe._native.sm90a"], "mla_decode_declines", lambda h, p: 1 / 0)
+    assert (f"cuda:0 (simulated GPU, 9.0)  64x4096x16 page 64: portable ({declined}): no plan: plans need the real "
+            "GPU") in text
+    monkeypatch.setattr(sys.modules["hmoe._native.sm90a"], "mla_decode_declines", lambda *shape: 1 / 0)
     rep, text = run(simulate_gpu=["9.0"], mla_shapes=[(1, 64, 128, 64)])
     (p,) = rep["plans"]
     assert p["variant"] is None and p["reason"].startswith("unknown: hmoe._native.sm90a cannot say (ZeroDivisionError")
@@ -429,23 +432,24 @@ def test_a_forced_family_that_declines_a_simulated_shape_is_an_error(env, monkey
     runs = {p["shape"]: (p["variant"], p["reason"]) for p in rep["plans"]}
     assert runs["64x4096x128 page 64"][0] == "sm90a"
     variant, reason = runs["64x4096x16 page 64"]
-    assert variant is None and reason.startswith("mla_decode: HMOE_CUDA_VARIANT='sm90a' does not serve 16 heads "
-                                                 "with page size 64 on cuda:0")
+    assert variant is None and reason.startswith("mla_decode: HMOE_CUDA_VARIANT='sm90a' does not serve 64 requests "
+                                                 "of up to 4096 tokens, 16 heads, page size 64 on cuda:0")
     assert reason.endswith("few heads are memory-bound; the 'portable' variant serves this shape (force it, or "
-                           "leave the choice to hmoe)")
+                           "leave the choice to hmoe) (as on 132 SMs)")
 
 
 def test_plans_from_the_gpu_child_name_the_variant(env, monkeypatch):
     # What the torch child reports on a real GPU (probes._CHILD): the route and the plan per shape.
     _two_mla_families(monkeypatch)
     plans = [{"device": "cuda:0", "shape": "64x4096x16 page 64", "variant": "portable",
-              "reason": "fallback: sm90a declines 16 heads, page size 64: few heads", "plan": "1 KV split(s), ...",
+              "reason": "fallback: sm90a declines 64 requests of up to 4096 tokens, 16 heads, page size 64: few heads",
+              "plan": "1 KV split(s), ...",
               "error": None},
              {"device": "cuda:0", "shape": "1x2x3 page 64", "variant": None, "reason": None, "plan": None,
               "error": "ValueError: bad"}]
     monkeypatch.setitem(probes.PythonProbe.answer, "plans", plans)  # PythonProbe is conftest's FakeProbe
     rep, text = run(mla_shapes=[(64, 4096, 16, 64), (1, 2, 3, 64)])
     assert rep["plans"] == plans
-    assert ("cuda:0  64x4096x16 page 64: portable (fallback: sm90a declines 16 heads, page size 64: few heads): "
-            "1 KV split(s), ...") in text
+    assert ("cuda:0  64x4096x16 page 64: portable (fallback: sm90a declines 64 requests of up to 4096 tokens, 16 "
+            "heads, page size 64: few heads): 1 KV split(s), ...") in text
     assert "cuda:0  1x2x3 page 64: no plan: ValueError: bad" in text

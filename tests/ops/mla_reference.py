@@ -10,12 +10,13 @@ def mla_reference(q_nope, q_pe, ckv, kpe, page_table, seq_lens, sm_scale):
     return _reference.mla_decode(*args, sm_scale)
 
 
-def make_cache(B, H, lens, page, dtype, device, gen, extra_pages=3, poison=float("nan")):
+def make_cache(B, H, lens, page, dtype, device, gen, extra_pages=3, poison=float("nan"), table_pages=1):
     """Random q and a paged cache holding `lens` tokens per request in shuffled pages; every
-    unused slot (and unused page-table entry) holds poison / garbage."""
+    unused slot (and unused page-table entry) holds poison / garbage. The page table has
+    max(table_pages, the most pages a request needs) columns."""
     lens = torch.tensor(lens, dtype=torch.int32)
     need = [(int(L) + page - 1) // page for L in lens]
-    max_pages = max(1, max(need))
+    max_pages = max(table_pages, max(need))
     P = sum(need) + extra_pages
     perm = torch.randperm(P, generator=gen)
     ckv = torch.full((P, page, 512), poison, dtype=dtype)

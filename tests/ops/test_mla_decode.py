@@ -22,9 +22,10 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def serves(variant, index, H, page):
-    """Whether `variant`'s family serves mla_decode calls of H heads and this page size (mla.route)."""
-    return not mla_mod.declines(_cuda.select("mla_decode", index, variant), H, page)
+def serves(variant, index, B, H, max_pages, page):
+    """Whether `variant`'s family serves mla_decode calls of this shape on cuda:<index> (mla.route)."""
+    return not mla_mod.declines(_cuda.select("mla_decode", index, variant), _cuda.sm_count(index), B, H, max_pages,
+                                page)
 
 
 def variant_for(variant, args):
@@ -33,21 +34,22 @@ def variant_for(variant, args):
     (mla_decode and plan) is a ValueError that names the portable variant and that hmoe's choice is
     the portable family."""
     q_nope, ckv, pt = args[0], args[2], args[4]
-    index, B, H, page = q_nope.get_device(), q_nope.shape[0], q_nope.shape[1], ckv.shape[1]
-    if serves(variant, index, H, page):
+    index, B, H, max_pages, page = q_nope.get_device(), q_nope.shape[0], q_nope.shape[1], pt.shape[1], ckv.shape[1]
+    if serves(variant, index, B, H, max_pages, page):
         return variant
-    refused = rf"'{variant}' does not serve {H} heads with page size {page} .*the 'portable' variant serves"
+    shape = mla_mod.shape_text(B, H, max_pages, page)
+    refused = rf"'{variant}' does not serve {shape} .*the 'portable' variant serves"
     with pytest.raises(ValueError, match=refused):
         hmoe.ops.mla_decode(*args[:6], sm_scale=SCALE, variant=variant)
     with pytest.raises(ValueError, match=refused):
-        mla_mod.plan(index, B, H, pt.shape[1], page, variant=variant)
-    routed = mla_mod.route(index, H, page)
-    assert routed.variant == "portable" and routed.reason.startswith(f"fallback: {variant} declines {H} heads")
+        mla_mod.plan(index, B, H, max_pages, page, variant=variant)
+    routed = mla_mod.route(index, B, H, max_pages, page)
+    assert routed.variant == "portable" and routed.reason.startswith(f"fallback: {variant} declines {shape}: ")
     return None
 
 
-def run_and_check(B, H, lens, page, dtype, seed, variant, **kw):
-    args = make_cache(B, H, lens, page, dtype, "cuda", gen(seed))
+def run_and_check(B, H, lens, page, dtype, seed, variant, table_pages=1, **kw):
+    args = make_cache(B, H, lens, page, dtype, "cuda", gen(seed), table_pages=table_pages)
     out = torch.full((B, H, 512), float("nan"), dtype=dtype, device="cuda")  # poisoned
     got, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, out=out,
                                    variant=variant_for(variant, args), **kw)
@@ -65,13 +67,24 @@ def run_and_check(B, H, lens, page, dtype, seed, variant, **kw):
 @pytest.mark.gpu
 def test_which_shapes_each_variant_serves(variant):
     idx = torch.cuda.current_device()
-    shapes = [(H, page) for H in (1, 16, 17, 32, 33, 64, 128) for page in (1, 8, 16, 24, 32, 64, 128)]
-    declined = {(H, page) for H, page in shapes if not serves(variant, idx, H, page)}
+    # 4 x 4096 tokens: sm90a's CTAs walk at most 16 tiles (its plan splits each request at least 8 ways
+    # where the device has 32 SMs or more); 256 x 1024: more CTAs than an H100 or H200 has SMs
+    shapes = [(B, H, -(-S // page), page) for B, S in ((4, 4096), (256, 1024)) for H in (1, 16, 17, 32, 33, 64, 128)
+              for page in (1, 8, 16, 24, 32, 64, 128)]
+    declined = {shape for shape in shapes if not serves(variant, idx, *shape)}
     if variant == "portable":  # every shape
         assert declined == set()
-    else:  # 16 heads or fewer, and page sizes that are not a multiple of 16
-        assert declined == {(H, page) for H, page in shapes if H <= 16 or page % 16}
-        assert mla_mod.route(idx, 128, 64).variant == mla_mod.route(idx, 17, 16).variant == "sm90a"
+    else:  # page sizes that are not a multiple of 16, and 16 heads or fewer on long walks
+        assert declined == {(B, H, P, page) for B, H, P, page in shapes if page % 16 or (H <= 16 and B == 256)}
+        assert mla_mod.route(idx, 1, 128, 1, 64).variant == mla_mod.route(idx, 256, 17, 64, 16).variant == "sm90a"
+        assert mla_mod.route(idx, 4, 16, 64, 64).variant == "sm90a"
+        routed = mla_mod.route(idx, 256, 16, 16, 64)
+        assert routed.variant == "portable" and "16 heads or fewer on more requests than" in routed.reason
+        routed = mla_mod.route(idx, 4, 16, 2048, 64)
+        assert routed.variant == "portable" and "16 heads or fewer, with more than 32 KV tiles" in routed.reason
+        routed = mla_mod.route(idx, 3, 16, 11, 64)
+        assert routed.variant == "portable" and "on a cache of fewer than 16384 tokens" in routed.reason
+        assert mla_mod.route(idx, 1, 16, 2048, 64).variant == "sm90a"  # split 64 ways: as many CTAs as portable
 
 
 @pytest.mark.gpu
@@ -80,6 +93,28 @@ def test_which_shapes_each_variant_serves(variant):
 def test_heads_and_lengths(dtype, H, variant):
     lens = [0, 1, 63, 64, 65, 700, 2, 129]
     run_and_check(len(lens), H, lens, 64, dtype, seed=H, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [1, 8, 16])
+def test_few_heads_on_a_large_cache(dtype, H, variant):
+    # 4 requests with room for 16000 tokens each: sm90a serves it (32 splits of 16 tiles on an H100 or
+    # H200); lengths 0, 1, a page boundary plus 3 and the whole table
+    run_and_check(4, H, [16000, 1, 0, 4099], 64, dtype, seed=13, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [8, 16])
+def test_few_heads_where_the_portable_kernel_is_faster(H, variant):
+    # The shapes sm90a leaves to the portable family (mla_decode_declines; variant_for checks the forced
+    # call's error and the route): 4 requests with room for 131072 tokens each (the table's width, as
+    # the plan sizes it: 4096 KV tiles a request, over 32 a CTA in a split of fewer than 64 ways), more
+    # requests than an H100 or H200 has SMs (two waves of its CTAs), and a small call.
+    run_and_check(4, H, [3000, 0, 1, 70], 64, torch.bfloat16, seed=11, variant=variant, table_pages=2048)
+    run_and_check(200, H, [(37 * b) % 300 for b in range(200)], 64, torch.float16, seed=12, variant=variant,
+                  table_pages=5)
+    run_and_check(3, H, [5, 64, 700], 64, torch.bfloat16, seed=14, variant=variant)
 
 
 @pytest.mark.gpu
@@ -96,7 +131,7 @@ def test_long_context_splits(dtype, H, variant):
     # small batch, long sequence: the KV is split across CTAs and merged by the combine kernel
     idx = torch.cuda.current_device()
     run_and_check(2, H, [9000, 33], 64, dtype, seed=7, variant=variant)
-    v = variant if serves(variant, idx, H, 64) else None  # run_and_check has checked the forced call
+    v = variant if serves(variant, idx, 2, H, 141, 64) else None  # run_and_check has checked the forced call
     assert mla_mod.plan(idx, 2, H, 141, 64, variant=v)[0] > 1
 
 
@@ -196,8 +231,9 @@ def test_nan_in_unused_pages_and_bad_entries_do_not_leak(loader, H, variant):
 @pytest.mark.parametrize("H", [16, 128])
 def test_cuda_graph_capture_and_replay_with_new_lengths(monkeypatch, H, variant):
     B, page = 4, 64
-    # every request owns pages for 3000 tokens; the replays use other lengths within them
-    q_nope, q_pe, ckv, kpe, pt, lens = args = make_cache(B, H, [3000] * B, page, torch.bfloat16, "cuda", gen(9))
+    # every request owns pages for 4500 tokens (16 heads: enough cache for sm90a to serve them); the
+    # replays use other lengths within them
+    q_nope, q_pe, ckv, kpe, pt, lens = args = make_cache(B, H, [4500] * B, page, torch.bfloat16, "cuda", gen(9))
     v = variant_for(variant, args)  # outside the capture: a forced variant that declines raises before it
     hmoe.prewarm()
     g = torch.cuda.CUDAGraph()
@@ -302,7 +338,7 @@ def test_ptx_path_in_a_subprocess():
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [4, 64])
 def test_bad_input_on_gpu(H, variant):
-    # Each family's module checks the calls it runs: 4 heads run on portable, 64 on sm90a too.
+    # Each family's module checks the calls it runs (forced: both head counts on sm90a too).
     q_nope, q_pe, ckv, kpe, pt, lens = args = make_cache(2, H, [5, 6], 64, torch.bfloat16, "cuda", gen(2))
     v = variant_for(variant, args)
     call = lambda **kw: hmoe.ops.mla_decode(**{**dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,

@@ -113,7 +113,7 @@ def hmoe_route(inp, opts) -> tuple[str, str | None]:
 
     B, H, _ = inp.q_nope.shape
     try:
-        sel = mla.route(opts.device.index, H, inp.ckv.shape[1], opts.variant)
+        sel = mla.route(opts.device.index, B, H, inp.page_table.shape[1], inp.ckv.shape[1], opts.variant)
         if sel.backend:
             return sel.variant, None
         return sel.variant, mla.plan(opts.device.index, B, H, inp.page_table.shape[1], inp.ckv.shape[1],

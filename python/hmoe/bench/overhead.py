@@ -160,7 +160,7 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     try:
         from hmoe.ops import _cuda
-        mod = _cuda.module(index, "mla_decode", sel=hmoe.ops.mla.route(index, Hq, page))
+        mod = _cuda.module(index, "mla_decode", sel=hmoe.ops.mla.route(index, B, Hq, S // page, page))
         cfg, tma = hmoe.ops.mla._overrides(None, None)
 
         nxt_e = layers(qs, os_)
@@ -184,7 +184,7 @@ def cases(torch, hmoe, device: str | None, flashinfer) -> list:
     nxt128 = layers([(torch.randn(B, 128, 512, device=dev, dtype=torch.bfloat16),
                       torch.randn(B, 128, 64, device=dev, dtype=torch.bfloat16)) for _ in range(2)])
     try:
-        route = hmoe.ops.mla.route(index, 128, page).variant
+        route = hmoe.ops.mla.route(index, B, 128, S // page, page).variant
     except Exception as e:  # noqa: BLE001 - the call's own row reports the failure
         route = f"no route: {type(e).__name__}"
     out.append(("mla_decode (128 heads)", device, f"B={B} H=128 S={S} page={page} bf16, {route}, two layers' "

@@ -60,7 +60,7 @@ if shapes:
             out["plans"].append(dict(row, device="-", error=broken))
         for i in range(n):
             try:
-                r = mla.route(i, H, page)
+                r = mla.route(i, B, H, -(-S // page), page)
                 plan = mla.plan(i, B, H, -(-S // page), page).describe()
                 out["plans"].append(dict(row, device=f"cuda:{i}", variant=r.variant, reason=r.reason, plan=plan))
             except BaseException as e:

@@ -250,11 +250,15 @@ def _gpu_selections(manifest, det, torch_info, problems) -> list:
     return rows
 
 
+SIMULATED_SMS = 132  # the SMs of a simulated GPU, for route's shape rules (an H100 or H200 SXM)
+
+
 def _simulated_routes(rows, shapes) -> list:
     """--mla-shape with --simulate-gpu: which variant would run each shape on each simulated device
     (hmoe.ops.mla.route's rule, asked of the selected family's installed module: it depends on the
-    shape alone; a family forced by HMOE_CUDA_VARIANT that declines the shape is route's error); the
-    plan needs the real GPU, and a device no variant serves (a build without GPU kernels) says why."""
+    shape and the SM count, SIMULATED_SMS here; a family forced by HMOE_CUDA_VARIANT that declines the
+    shape is route's error); the plan needs the real GPU, and a device no variant serves (a build
+    without GPU kernels) says why."""
     from .. import _env
     from ..ops import mla
 
@@ -264,13 +268,17 @@ def _simulated_routes(rows, shapes) -> list:
         for B, S, H, page in shapes:
             variant, reason = (r["variant"], r["reason"]) if r["ok"] else (None, None)
             if r["ok"] and r["module"]:
-                why, err = _guard(lambda: load(r["module"]).mla_decode_declines(H, page))
+                max_pages = -(-S // page)
+                why, err = _guard(lambda: load(r["module"]).mla_decode_declines(SIMULATED_SMS, B, H, max_pages, page))
+                shape = mla.shape_text(B, H, max_pages, page)
                 if err:  # the rule is the module's: without it, which variant runs the shape is unknown
                     variant, reason = None, f"unknown: hmoe._native.{r['module']} cannot say ({err})"
                 elif why and r["variant"] == forced:
-                    variant, reason = None, mla.forced_declined(forced, "HMOE_CUDA_VARIANT=", H, page, r["device"], why)
+                    variant, reason = None, mla.forced_declined(forced, "HMOE_CUDA_VARIANT=", shape, r["device"], why)
                 elif why:
-                    variant, reason = mla.FALLBACK, mla.declined_reason(r["variant"], H, page, why)
+                    variant, reason = mla.FALLBACK, mla.declined_reason(r["variant"], shape, why)
+                if reason and not err and r["variant"] != mla.FALLBACK:  # the selected family's rule counts SMs
+                    reason += f" (as on {SIMULATED_SMS} SMs)"
             error = ("plans need the real GPU (not with --simulate-gpu)" if r["ok"] else
                      f"no variant runs it: {r['reason']}")  # e.g. a build without GPU kernels
             out.append({"device": r["device"], "shape": f"{B}x{S}x{H} page {page}", "variant": variant,

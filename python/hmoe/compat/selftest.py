@@ -60,8 +60,10 @@ def grouped_topk_selftest(device: str):
 
 
 def mla_decode_selftest(device: str):
-    """mla_decode (bf16, shuffled pages, a 0-length request) against the fp64 reference, with 16
-    and 128 heads: the sm90a family declines the first (the portable one runs it), serves the second."""
+    """mla_decode (bf16, shuffled pages, a 0-length request) against the fp64 reference: 16 heads with
+    a page table of 2 pages a request and of 80 (most of them unused), and 128 heads. On compute
+    capability 9.0 the sm90a family runs the last two and leaves the first, a small call, to the
+    portable one (hmoe.ops.mla.route)."""
     if not device.startswith("cuda"):
         return None
     import torch
@@ -70,22 +72,24 @@ def mla_decode_selftest(device: str):
     from ..ops import _cuda, mla, mla_decode
 
     g = torch.Generator().manual_seed(2)
-    B, page, lens = 2, 64, [100, 0]
-    ckv = torch.randn(4, page, 512, generator=g).to(torch.bfloat16)
-    kpe = torch.randn(4, page, 64, generator=g).to(torch.bfloat16)
-    pt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    B, page, lens = 4, 64, [100, 0, 5, 64]
+    ckv = torch.randn(6, page, 512, generator=g).to(torch.bfloat16)
+    kpe = torch.randn(6, page, 64, generator=g).to(torch.bfloat16)
+    short = torch.tensor([[2, 0], [1, 3], [5, 1], [4, 0]], dtype=torch.int32)
+    wide = torch.cat([short, torch.zeros(B, 78, dtype=torch.int32)], 1)  # the same pages; the rest unused
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    index = _cuda.device_index(torch, torch.device(device))
     oks, details = [], []
-    for H in (16, 128):
+    for H, pt in ((16, short), (16, wide), (128, short)):
         qn = torch.randn(B, H, 512, generator=g).to(torch.bfloat16)
         qp = torch.randn(B, H, 64, generator=g).to(torch.bfloat16)
         got = mla_decode(qn.to(device), qp.to(device), ckv.to(device), kpe.to(device), pt.to(device),
                          seq_lens.to(device), sm_scale=0.07).float().cpu()
         want = _reference.mla_decode(qn, qp, ckv, kpe, pt, seq_lens, 0.07)[0].double()
         ok, detail = _normwise(got, want, _reference.tolerance("mla_decode", torch.bfloat16))
-        sel = mla.route(_cuda.device_index(torch, torch.device(device)), H, page)
+        sel = mla.route(index, B, H, pt.shape[1], page)
         oks.append(ok)
-        details.append(f"{H} heads: {sel.variant} {sel.target}: {detail}")
+        details.append(f"{H} heads, {pt.shape[1]} pages: {sel.variant} {sel.target}: {detail}")
     return all(oks), "; ".join(details)
 
 

@@ -61,7 +61,7 @@ def unsupported(modules: list, device, dtype) -> str:
         return f"{m.num_heads} heads: hmoe.ops.mla_decode takes 1 to {mla.MAX_HEADS}"
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:  # the variant the calls would run (hmoe.dispatch; cached): none, and the reason is why
-        mla.route(index, m.num_heads, PAGE)
+        mla.route(index, 1, m.num_heads, 1, PAGE)  # a one-page call: whether any variant runs the heads here
     except Exception as e:  # noqa: BLE001 - any failure to choose a variant is a reason to keep the model's
         return f"hmoe.ops.mla_decode cannot run on {device}: {type(e).__name__}: {e}"
     return ""

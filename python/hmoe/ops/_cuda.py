@@ -12,6 +12,7 @@ _lock = threading.Lock()
 _warm: set = set()        # (device index, module name) prewarmed
 _selections: dict = {}
 _modules: dict = {}       # module name -> bound module
+_sms: dict = {}           # device index -> SM count
 
 
 def cuda_index(t) -> int:
@@ -42,6 +43,14 @@ def ordinal(device) -> int:
     if dev is None or dev.type != "cuda":
         raise ValueError(f"expected a CUDA device (an int ordinal, 'cuda:N' or a torch.device), got {device!r}")
     return device_index(torch, dev)
+
+
+def sm_count(index: int) -> int:
+    """The SMs of cuda:<index> (of its MIG slice under MIG), as torch sees them; cached."""
+    n = _sms.get(index)
+    if n is None:
+        n = _sms[index] = V.torch_module().cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 def capturing(torch, index: int) -> bool:

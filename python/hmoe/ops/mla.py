@@ -30,8 +30,10 @@ LOADERS = {_C["mla_loader_rows"]: "cp.async rows", _C["mla_loader_contig"]: "cp.
 FALLBACK = "portable"  # the family that serves every shape: it runs what another family declines
 ROPE_LAYOUTS = ("interleaved", "half", "interleaved_to_half")  # mla_rope_append's rope_layout
 _routes: dict = {}
+_said: set = set()  # (device, family, why): the fallbacks logged
 # What an mla_decode call decides before the launch (the route, the module, the plan's overrides), per
-# (q_nope's type and device, heads, page size, variant= and the environment variables those read):
+# (q_nope's type and device, batch, heads, the page table's width, page size, variant= and the
+# environment variables those read):
 # (module, config, tma). Filled by a call that took the whole path and runs hmoe's own kernel; a
 # call whose key is here goes straight to the module, whose entry point checks every argument.
 _calls: dict = {}
@@ -70,47 +72,58 @@ def _overrides(config: int | None, tma: bool | None) -> tuple[int, bool]:
     return config, bool(tma)
 
 
-def declines(sel: dispatch.Selection, heads: int, page_size: int) -> str:
-    """Why the family of `sel` does not serve mla_decode calls of this shape (its module's
-    mla_decode_declines: the sm90a family leaves few-head shapes and page sizes its tiles do not
-    fit to the portable one), "" when it serves them; "" for an optional backend."""
+def declines(sel: dispatch.Selection, sms: int, batch: int, heads: int, max_pages: int, page_size: int) -> str:
+    """Why the family of `sel` does not serve mla_decode calls of this shape on a device of `sms` SMs
+    (its module's mla_decode_declines: the sm90a family leaves page sizes its tiles do not fit, and
+    calls of 16 heads or fewer where the portable kernel is faster, to the portable one), "" when it
+    serves them; "" for an optional backend. max_pages: the page table's width."""
     if sel.backend:
         return ""
-    return _native.load(sel.module).mla_decode_declines(heads, page_size)
+    return _native.load(sel.module).mla_decode_declines(sms, batch, heads, max_pages, page_size)
 
 
-def declined_reason(family: str, heads: int, page_size: int, why: str) -> str:
-    """The reason a shape that `family` declines runs on FALLBACK (hmoe.compat prints it too)."""
-    return f"fallback: {family} declines {heads} heads, page size {page_size}: {why}"
+def shape_text(batch: int, heads: int, max_pages: int, page_size: int) -> str:
+    """A call's shape as route() decides by it, in words."""
+    return f"{batch} requests of up to {max_pages * page_size} tokens, {heads} heads, page size {page_size}"
 
 
-def forced_declined(variant: str, source: str, heads: int, page_size: int, device: str, why: str) -> str:
+def declined_reason(family: str, shape: str, why: str) -> str:
+    """The reason a shape (shape_text) that `family` declines runs on FALLBACK (hmoe.compat prints it too)."""
+    return f"fallback: {family} declines {shape}: {why}"
+
+
+def forced_declined(variant: str, source: str, shape: str, device: str, why: str) -> str:
     """What forcing (`source`: "variant=" or "HMOE_CUDA_VARIANT=") a family on a shape it declines is."""
-    return (f"mla_decode: {source}{variant!r} does not serve {heads} heads with page size {page_size} on {device}: "
-            f"{why}; the {FALLBACK!r} variant serves this shape (force it, or leave the choice to hmoe)")
+    return (f"mla_decode: {source}{variant!r} does not serve {shape} on {device}: {why}; the {FALLBACK!r} "
+            "variant serves this shape (force it, or leave the choice to hmoe)")
 
 
-def route(device, heads: int, page_size: int, variant: str | None = None, *,
+def route(device, batch: int, heads: int, max_pages: int, page_size: int, variant: str | None = None, *,
           own: bool = False) -> dispatch.Selection:
-    """Which variant runs mla_decode calls of `heads` heads and page size `page_size` on `device` (the
-    CUDA ordinal, "cuda:N" or a torch.device):
-    the device's selection (_cuda.select: forced by `variant` or HMOE_CUDA_VARIANT; own=True ignores
-    the latter), unless its family declines the shape: then FALLBACK, with a reason that says why
-    (logged once). Forcing a family that declines the shape is a ValueError. Decided once per
-    (device, heads, page size, variant, HMOE_CUDA_VARIANT) and cached: a call pays a dict lookup."""
+    """Which variant runs mla_decode calls of `batch` requests, `heads` heads and a page table of
+    `max_pages` pages of `page_size` tokens a request on `device` (the CUDA ordinal, "cuda:N" or a
+    torch.device): the device's selection (_cuda.select: forced by `variant` or HMOE_CUDA_VARIANT;
+    own=True ignores the latter), unless its family declines the shape: then FALLBACK, with a reason
+    that says why (logged once per reason). Forcing a family that declines the shape is a ValueError.
+    Shapes only (never seq_lens), as plan(): decided once per (device, shape, variant,
+    HMOE_CUDA_VARIANT) and cached: a call pays a dict lookup."""
     index = _cuda.ordinal(device)
-    key = (index, heads, page_size, variant, None if own else _env.get("HMOE_CUDA_VARIANT"))
+    key = (index, batch, heads, max_pages, page_size, variant, None if own else _env.get("HMOE_CUDA_VARIANT"))
     sel = _routes.get(key)
     if sel is None:
         sel = _cuda.select("mla_decode", index, variant, own=own)
-        why = declines(sel, heads, page_size)
+        why = declines(sel, _cuda.sm_count(index), batch, heads, max_pages, page_size)
         if why:
-            if sel.variant == (variant or key[4]):
-                raise ValueError(forced_declined(sel.variant, "variant=" if variant else "HMOE_CUDA_VARIANT=", heads,
-                                                 page_size, sel.device, why))
+            shape = shape_text(batch, heads, max_pages, page_size)
+            if sel.variant == (variant or key[-1]):
+                raise ValueError(forced_declined(sel.variant, "variant=" if variant else "HMOE_CUDA_VARIANT=", shape,
+                                                 sel.device, why))
+            family = sel.variant
             sel = dataclasses.replace(_cuda.select("mla_decode", index, FALLBACK, own=True),
-                                      reason=declined_reason(sel.variant, heads, page_size, why))
-            dispatch.log.info("hmoe: mla_decode on %s: %s", sel.device, sel.reason)
+                                      reason=declined_reason(family, shape, why))
+            if (index, family, why) not in _said:
+                dispatch.log.info("hmoe: mla_decode on %s: %s", sel.device, sel.reason)
+                _said.add((index, family, why))
         with _cuda._lock:
             _routes[key] = sel
     return sel
@@ -126,11 +139,11 @@ def plan(device, batch: int, heads: int, max_pages: int, page_size: int, *, conf
     that of hmoe's own choice."""
     config, tma = _overrides(config, tma)
     index = _cuda.ordinal(device)
-    sel = route(index, heads, page_size, variant)
+    sel = route(index, batch, heads, max_pages, page_size, variant)
     if sel.backend:
         if variant:
             raise ValueError(f"mla_decode variant {sel.variant} is not hmoe's: it has no hmoe plan")
-        sel = route(index, heads, page_size, own=True)
+        sel = route(index, batch, heads, max_pages, page_size, own=True)
     mod = _cuda.module(index, "mla_decode", sel=sel)
     return MlaPlan(*mod.mla_decode_plan(index, batch, heads, max_pages, page_size, config, tma))
 
@@ -171,12 +184,14 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     a device synchronisation, so it happens only with check_indices=True (or
     HMOE_CHECK_INDICES=1), which raises ValueError for a bad entry.
     `variant` (or HMOE_CUDA_VARIANT) forces a variant; see hmoe.compat for what is available. A
-    variant whose family declines the shape (sm90a: few heads, some page sizes) leaves the call to
-    the portable one when it was hmoe's choice, and is a ValueError when forced; see route().
+    variant whose family declines the shape (sm90a: some page sizes, and some calls of 16 heads or
+    fewer) leaves the call to the portable one when it was hmoe's choice, and is a ValueError when
+    forced; see route().
     `out` (optional) receives the result: [B, H, 512], q's dtype and device, contiguous.
     """
     try:
-        key = (type(q_nope), q_nope.get_device(), q_nope.shape[1], ckv_cache.shape[1], variant, _call_env())
+        key = (type(q_nope), q_nope.get_device(), *q_nope.shape[:2], page_table.shape[1], ckv_cache.shape[1], variant,
+               _call_env())
         known = None if check_indices else _calls.get(key)
     except Exception:  # not tensors of the op's shapes (or unhashable): the whole path says what is wrong
         key = known = None
@@ -189,15 +204,16 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
         V.tensor("q_nope", q_nope, ndim=3, dtypes=V.half_dtypes(), device="cuda")
         raise AssertionError("unreachable: q_nope passed the checks of a CUDA tensor")
     try:
-        heads, page_size = q_nope.shape[1], ckv_cache.shape[1]  # what route() decides by
-    except (AttributeError, IndexError, TypeError):
+        batch, heads, max_pages, page_size = (int(q_nope.shape[0]), int(q_nope.shape[1]), int(page_table.shape[1]),
+                                              int(ckv_cache.shape[1]))  # what route() decides by
+    except (AttributeError, IndexError, TypeError, ValueError):
         heads = None
     if heads is None:  # not shaped like the op's tensors: hmoe's module says what is wrong
         mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True))
         mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
         raise AssertionError("unreachable: the arguments passed the checks of mla_decode")
     try:
-        sel = route(index, heads, page_size, variant)
+        sel = route(index, batch, heads, max_pages, page_size, variant)
     except ValueError:  # a forced family declines the shape: unless the arguments are what is wrong
         mod = _cuda.module(index, "mla_decode", sel=_cuda.select("mla_decode", index, own=True))
         mod.mla_decode_check(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out)
