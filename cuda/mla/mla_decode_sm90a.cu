@@ -589,8 +589,7 @@ Grid plan_grid(int sms, int batch, int heads, int max_pages, int page_size) {
 // H200 (docs/perf/mla_decode.md, Shapes it declines): 3-15% faster where its grid fits one wave and
 // its CTAs walk 32 tiles or fewer, and 15-38% faster where the splits are at their most (both
 // kernels then run as many CTAs, one an SM); 4-8% slower on longer walks, 8-16% on grids of two waves;
-// level on calls of less cache than kFewHeadsMinTokens, whose eager launch costs the host more here
-// (four tensor maps).
+// level on calls of less cache than kFewHeadsMinTokens, whose eager launch costs the host more here.
 const char* mla_decode_declines(int sms, int batch, int heads, int max_pages, int page_size) {
   if (page_size % 16 != 0) return "page size not a multiple of 16: its TMA boxes need 16-row steps";
   if (heads > kFewHeads) return nullptr;
