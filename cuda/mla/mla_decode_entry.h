@@ -9,9 +9,9 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 
 #include "bind/gil.h"
+#include "bind/plan_cache.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "mla/mla_decode.h"
@@ -114,33 +114,9 @@ inline MlaCall mla_decode_args(py::handle q_nope, py::handle q_pe, py::handle ck
 // The family's plan for a shape, computed once per (device, shape, overrides).
 inline MlaDecodePlan mla_decode_cached_plan(int device, int batch, int heads, int max_pages, int page_size, int config,
                                             bool allow_tma) {
-  struct Key {
-    int device, batch, heads, max_pages, page_size, config;
-    bool tma;
-    bool operator==(const Key& o) const {
-      return device == o.device && batch == o.batch && heads == o.heads && max_pages == o.max_pages &&
-             page_size == o.page_size && config == o.config && tma == o.tma;
-    }
-  };
-  struct Hash {
-    size_t operator()(const Key& k) const {
-      size_t h = 0;
-      for (int v : {k.device, k.batch, k.heads, k.max_pages, k.page_size, k.config, int(k.tma)})
-        h = h * 1000003u ^ size_t(v);
-      return h;
-    }
-  };
-  static std::mutex mu;
-  static std::unordered_map<Key, MlaDecodePlan, Hash> plans;
-  const Key key{device, batch, heads, max_pages, page_size, config, allow_tma};
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = plans.find(key);
-    if (it != plans.end()) return it->second;
-  }
-  const MlaDecodePlan plan = mla_decode_plan(device, batch, heads, max_pages, page_size, config, allow_tma);
-  std::lock_guard<std::mutex> lock(mu);
-  return plans.emplace(key, plan).first->second;
+  return cached_plan<MlaDecodePlan>(
+      std::array<int64_t, 7>{device, batch, heads, max_pages, page_size, config, allow_tma},
+      [&] { return mla_decode_plan(device, batch, heads, max_pages, page_size, config, allow_tma); });
 }
 
 // Where a call's split partials go, and how its two kernels (decode, combine) are launched. Eager

@@ -9,11 +9,10 @@
 
 #include <climits>
 #include <initializer_list>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 
 #include "bind/gil.h"
+#include "bind/plan_cache.h"
 #include "bind/scalars.h"
 #include "bind/tensors.h"
 #include "prefill/prefill.h"
@@ -155,32 +154,9 @@ inline PrefillCall paged_prefill_args(py::handle q, py::handle k_cache, py::hand
 // The family's plan for a shape, computed once per (device, shape, override).
 inline PrefillPlan prefill_cached_plan(int device, int64_t total_q, int batch, int heads, int kv_heads, int dqk, int dv,
                                        int config) {
-  struct Key {
-    int64_t total_q;
-    int device, batch, heads, kv_heads, dqk, dv, config;
-    bool operator==(const Key& o) const {
-      return total_q == o.total_q && device == o.device && batch == o.batch && heads == o.heads &&
-             kv_heads == o.kv_heads && dqk == o.dqk && dv == o.dv && config == o.config;
-    }
-  };
-  struct Hash {
-    size_t operator()(const Key& k) const {
-      size_t h = size_t(k.total_q);
-      for (int v : {k.device, k.batch, k.heads, k.kv_heads, k.dqk, k.dv, k.config}) h = h * 1000003u ^ size_t(v);
-      return h;
-    }
-  };
-  static std::mutex mu;
-  static std::unordered_map<Key, PrefillPlan, Hash> plans;
-  const Key key{total_q, device, batch, heads, kv_heads, dqk, dv, config};
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = plans.find(key);
-    if (it != plans.end()) return it->second;
-  }
-  const PrefillPlan plan = prefill_plan(device, total_q, batch, heads, kv_heads, dqk, dv, config);
-  std::lock_guard<std::mutex> lock(mu);
-  return plans.emplace(key, plan).first->second;
+  return cached_plan<PrefillPlan>(
+      std::array<int64_t, 8>{total_q, device, batch, heads, kv_heads, dqk, dv, config},
+      [&] { return prefill_plan(device, total_q, batch, heads, kv_heads, dqk, dv, config); });
 }
 
 // Allocates out (unless given), lse (when asked) and the schedule workspace, and launches.

@@ -96,6 +96,17 @@ def test_heads_and_lengths(dtype, H, variant):
 
 
 @pytest.mark.gpu
+def test_plans_past_the_plan_cache(variant):
+    # The module keeps 4096 plans (cpp/bind/plan_cache.h) and starts over when full: the plans of
+    # 5000 shapes later, the first shapes' plans are the same
+    idx = torch.cuda.current_device()
+    first = [mla_mod.plan(idx, B, 128, 64, 64, variant=variant) for B in (1, 7, 64)]
+    for max_pages in range(100, 5100):
+        mla_mod.plan(idx, 3, 128, max_pages, 16, variant=variant)
+    assert [mla_mod.plan(idx, B, 128, 64, 64, variant=variant) for B in (1, 7, 64)] == first
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H", [1, 8, 16])
 def test_few_heads_on_a_large_cache(dtype, H, variant):

@@ -216,3 +216,21 @@ def test_mla_decode_runs_the_routed_family(device, monkeypatch):
     with pytest.raises(ValueError, match=r"q_nope has shape \(2,\) \(checked by sm90a\)"):
         mla.mla_decode(torch.zeros(2), z(2, 16, 64), z(1, 64, 512), z(1, 64, 64), torch.zeros(2, 1, dtype=torch.int32),
                        lens, sm_scale=0.1)
+
+
+def test_the_caches_stay_bounded(device, monkeypatch):
+    # A server varies the batch and the page table's width without end: the route and call caches
+    # start over when full, and the decisions stay the same.
+    device(F.H200)
+    monkeypatch.setattr(_cuda, "cuda_index", lambda t: 0)  # CPU tensors stand in for cuda:0's
+    monkeypatch.setattr(mla, "CACHE_ENTRIES", 8)
+    z = lambda *shape: torch.zeros(shape, dtype=torch.bfloat16)  # noqa: E731
+    for batch in range(1, 30):
+        for max_pages in (1, 100):
+            want = "portable" if batch * max_pages * 64 > 64 * SMS else "sm90a"  # the fake rule
+            assert mla.route(0, batch, 16, max_pages, 64).variant == want
+            pt = torch.zeros(batch, max_pages, dtype=torch.int32)
+            got = mla.mla_decode(z(batch, 16, 512), z(batch, 16, 64), z(1, 64, 512), z(1, 64, 64), pt,
+                                 torch.ones(batch, dtype=torch.int32), sm_scale=0.1)
+            assert got == want
+            assert len(mla._routes) <= 8 and len(mla._calls) <= 8

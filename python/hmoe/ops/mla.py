@@ -31,6 +31,9 @@ FALLBACK = "portable"  # the family that serves every shape: it runs what anothe
 ROPE_LAYOUTS = ("interleaved", "half", "interleaved_to_half")  # mla_rope_append's rope_layout
 _routes: dict = {}
 _said: set = set()  # (device, family, why): the fallbacks logged
+# Entries kept at most in _routes and _calls: both are keyed by the batch and the page table's width,
+# which a server's calls vary without end; a full dict starts over (a call then takes the whole path).
+CACHE_ENTRIES = 4096
 # What an mla_decode call decides before the launch (the route, the module, the plan's overrides), per
 # (q_nope's type and device, batch, heads, the page table's width, page size, variant= and the
 # environment variables those read):
@@ -125,6 +128,8 @@ def route(device, batch: int, heads: int, max_pages: int, page_size: int, varian
                 dispatch.log.info("hmoe: mla_decode on %s: %s", sel.device, sel.reason)
                 _said.add((index, family, why))
         with _cuda._lock:
+            if len(_routes) >= CACHE_ENTRIES:
+                _routes.clear()
             _routes[key] = sel
     return sel
 
@@ -232,6 +237,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, *, sm_s
     result = mod.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seq_lens, sm_scale, out, return_lse,
                             config, tma)
     if key is not None and not check_indices:  # the same key takes the same path: remember where it led
+        if len(_calls) >= CACHE_ENTRIES:
+            _calls.clear()
         _calls[key] = (mod, config, tma)
     return result
 
