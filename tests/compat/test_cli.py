@@ -158,19 +158,21 @@ def test_mla_plans(tmp_path):
             rep["plans"]
     else:
         assert all(r["plan"] is None and r["error"] for r in rep["plans"])
-    sim = json.loads(cli("--json", "--simulate-gpu", "9.0", "--mla-shape", "2x4096x16", cwd=tmp_path).stdout)
+    sim = json.loads(cli("--json", "--simulate-gpu", "9.0", "--mla-shape", "8x4096x16", cwd=tmp_path).stdout)
     if _build_info.cuda_kernels_for("mla_decode"):
         assert sim["plans"] and all(r["error"].startswith("plans need the real GPU") for r in sim["plans"])
     else:  # nothing would run it: the reason, not a plan the real GPU could give
         assert sim["plans"] and all(r["variant"] is None and r["error"].startswith(
             "no variant runs it: no GPU kernels in this build") for r in sim["plans"]), sim["plans"]
-    if "sm90a" in _build_info.cuda_kernels_for("mla_decode"):  # 16 heads, a short walk: sm90a runs it
+    if "sm90a" in _build_info.cuda_kernels_for("mla_decode"):  # 16 heads, one wave of short walks: sm90a runs it
         (r,) = sim["plans"]
         assert r["variant"] == "sm90a" and r["reason"] == "native: sm_90a SASS (as on 132 SMs)", r
-        (r,) = json.loads(cli("--json", "--simulate-gpu", "9.0", "--mla-shape", "256x1024x16",
-                              cwd=tmp_path).stdout)["plans"]  # a long walk: sm90a declines, portable runs it
-        assert r["variant"] == "portable" and r["reason"].startswith(
+        # two waves of sm90a's CTAs, and a small call: sm90a declines, portable runs them
+        two_waves, small = json.loads(cli("--json", "--simulate-gpu", "9.0", "--mla-shape", "256x1024x16",
+                                          "--mla-shape", "2x4096x16", cwd=tmp_path).stdout)["plans"]
+        assert two_waves["variant"] == "portable" and two_waves["reason"].startswith(
             "fallback: sm90a declines 256 requests of up to 1024 tokens, 16 heads, page size 64: 16 heads or fewer on "
-            "more requests than the device has SMs"), r
+            "more requests than the device has SMs"), two_waves
+        assert small["variant"] == "portable" and "on a cache of fewer than 16384 tokens" in small["reason"], small
     bad = cli("--mla-shape", "1x2", cwd=tmp_path)
     assert bad.returncode == 2 and "not a shape" in bad.stderr
