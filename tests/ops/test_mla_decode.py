@@ -96,6 +96,27 @@ def test_heads_and_lengths(dtype, H, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_capture_after_one_eager_call_of_another_shape(monkeypatch):
+    # The route depends on the shape: on compute capability 9.0 this small 16-head call runs on the
+    # portable family and the large one on sm90a. One eager call warms both families' modules, so the
+    # capture of the other shape needs no lazy setup (hmoe.ops.mla.warm_families).
+    for mod, attr, empty in ((_cuda, "_warm", set()), (mla_mod, "_calls", {}), (mla_mod, "_warm_modules", {})):
+        monkeypatch.setattr(mod, attr, empty)
+    small = make_cache(2, 16, [5, 70], 64, torch.bfloat16, "cuda", gen(21))
+    hmoe.ops.mla_decode(*small, sm_scale=SCALE)
+    q_nope, q_pe, ckv, kpe, pt, lens = make_cache(4, 16, [4500, 1, 0, 3001], 64, torch.bfloat16, "cuda", gen(22))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = hmoe.ops.mla_decode(q_nope, q_pe, ckv, kpe, pt, lens, sm_scale=SCALE)
+    g.replay()
+    torch.cuda.synchronize()
+    ref_o, _ = mla_reference(q_nope, q_pe, ckv, kpe, pt, lens, SCALE)
+    nz = lens.cpu() > 0
+    assert rel_err(out[nz], ref_o[nz]) < TOL[torch.bfloat16] and (out[~nz] == 0).all()
+
+
+@pytest.mark.gpu
 def test_plans_past_the_plan_cache(variant):
     # The module keeps 4096 plans (cpp/bind/plan_cache.h) and starts over when full: the plans of
     # 5000 shapes later, the first shapes' plans are the same
