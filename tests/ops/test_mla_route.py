@@ -126,8 +126,7 @@ def test_a_device_may_be_given_as_an_ordinal_a_string_or_a_torch_device(device):
 
 def test_the_device_goes_by_the_name_the_readme_gives_it(device):
     # README: route(device, batch, heads, max_pages, page_size) and plan(device, batch, heads, max_pages,
-    # page_size); the
-    # parameter was called index, so device= was a TypeError
+    # page_size); the parameter was called index, so device= was a TypeError
     device(F.H200)
     assert mla.route(device="cuda:0", batch=64, heads=128, max_pages=64, page_size=64) is mla.route(0, 64, 128, 64, 64)
     assert mla.plan(device=torch.device("cuda", 0), batch=4, heads=128, max_pages=8, page_size=64) == \
