@@ -39,7 +39,8 @@ def prewarm(device=None) -> None:
     for op in _arch.gpu_ops():
         _cuda.prewarm(index, _cuda.select(op, index, own=True).module)
     # mla_decode runs the shapes its selected family declines on the fallback family (mla.route)
-    _cuda.prewarm(index, _cuda.select("mla_decode", index, mla.FALLBACK, own=True).module)
+    for module in mla.family_modules(index):
+        _cuda.prewarm(index, module)
     sel = _cuda.select("mla_decode", index)
     if sel.backend:  # e.g. flashinfer: its JIT build and self-check, outside any graph capture
         from . import backends

@@ -102,7 +102,7 @@ def test_capture_after_one_eager_call_of_another_shape(monkeypatch):
     # The route depends on the shape: on compute capability 9.0 this small 16-head call runs on the
     # portable family and the large one on sm90a. One eager call warms both families' modules, so the
     # capture of the other shape needs no lazy setup (hmoe.ops.mla.warm_families).
-    for mod, attr, empty in ((_cuda, "_warm", set()), (mla_mod, "_calls", {}), (mla_mod, "_warm_modules", {})):
+    for mod, attr, empty in ((_cuda, "_warm", set()), (mla_mod, "_calls", {})):
         monkeypatch.setattr(mod, attr, empty)
     small = make_cache(2, 16, [5, 70], 64, torch.bfloat16, "cuda", gen(21))
     hmoe.ops.mla_decode(*small, sm_scale=SCALE)

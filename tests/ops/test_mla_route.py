@@ -59,7 +59,7 @@ def device(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     for mod, attr in ((_native, "_loaded"), (_native, "_failed"), (_cuda, "_selections"), (_cuda, "_modules"),
-                      (mla, "_routes"), (mla, "_calls"), (mla, "_warm_modules")):
+                      (mla, "_routes"), (mla, "_calls")):
         monkeypatch.setattr(mod, attr, {})
     monkeypatch.setattr(_cuda, "_warm", set())
     monkeypatch.setattr(mla, "_said", set())

@@ -31,7 +31,6 @@ FALLBACK = "portable"  # the family that serves every shape: it runs what anothe
 ROPE_LAYOUTS = ("interleaved", "half", "interleaved_to_half")  # mla_rope_append's rope_layout
 _routes: dict = {}
 _said: set = set()  # (device, family, why): the fallbacks logged
-_warm_modules: dict = {}  # device index -> the modules warm_families warms there
 # Entries kept at most in _routes and _calls: both are keyed by the batch and the page table's width,
 # which a server's calls vary without end; a full dict starts over (a call then takes the whole path).
 CACHE_ENTRIES = 4096
@@ -135,20 +134,22 @@ def route(device, batch: int, heads: int, max_pages: int, page_size: int, varian
     return sel
 
 
-def warm_families(index: int) -> None:
-    """Prewarms both modules a device's mla_decode calls may run on (the selected family's and
-    FALLBACK's) at a call outside graph capture, as hmoe.prewarm does: the route depends on the shape,
-    so a capture after one eager call may take the other family. A dict lookup once both are warm."""
-    mods = _warm_modules.get(index)
-    if mods is not None and all((index, m) in _cuda._warm for m in mods):
-        return
+def family_modules(index: int) -> list:
+    """The modules cuda:<index>'s mla_decode calls may run on: hmoe's selected family's and FALLBACK's
+    (the route depends on the shape). Cached selections: dict lookups."""
     mods = []
     for variant in (None, FALLBACK):
         try:
             mods.append(_cuda.select("mla_decode", index, variant, own=True).module)
         except ValueError:  # the device runs no such family: its calls never route there
             pass
-    _warm_modules[index] = mods
+    return mods
+
+
+def warm_families(index: int) -> None:
+    """Prewarms family_modules at a call outside graph capture, as hmoe.prewarm does, so that a
+    capture after one eager call finds the module of a shape routed to the other family ready."""
+    mods = family_modules(index)
     if any((index, m) not in _cuda._warm for m in mods) and not _cuda.capturing(V.torch_module(), index):
         for m in mods:
             _cuda.prewarm(index, m)
