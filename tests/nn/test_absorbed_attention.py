@@ -166,10 +166,10 @@ def test_attention_choice_and_its_reasons():
 def test_what_the_cuda_path_needs_is_checked_without_a_gpu():
     cuda = torch.device("cuda", 0)
     small = _mla.attention_modules(models.model("v3"))
-    assert "takes bf16 or fp16" in _mla.unsupported(small, cuda, torch.float32)
-    assert "kv_lora_rank 16 and qk_rope_head_dim 8" in _mla.unsupported(small, cuda, torch.bfloat16)
+    assert "takes bf16 or fp16" in _mla.unsupported(small, cuda, torch.float32, 1, 64)
+    assert "kv_lora_rank 16 and qk_rope_head_dim 8" in _mla.unsupported(small, cuda, torch.bfloat16, 1, 64)
     real = _mla.attention_modules(models.model("v3", kv_lora_rank=512, qk_rope_head_dim=64))
-    why = _mla.unsupported(real, cuda, torch.bfloat16)  # hmoe.dispatch's choice of a variant decides
+    why = _mla.unsupported(real, cuda, torch.bfloat16, 1, 64)  # hmoe.dispatch's choice of a variant decides
     runs = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 0)
     if runs and hmoe.build_info()["cuda_kernels"]:
         assert why == ""
@@ -177,9 +177,33 @@ def test_what_the_cuda_path_needs_is_checked_without_a_gpu():
         assert why.startswith("hmoe.ops.mla_decode cannot run on cuda:0: NoGpuVariant: no GPU kernels"), why
     else:
         assert why.startswith("hmoe.ops.mla_decode cannot run on cuda:0: "), why
-    assert "runs on CUDA devices" in _mla.unsupported(real, torch.device("meta"), torch.bfloat16)
+    assert "runs on CUDA devices" in _mla.unsupported(real, torch.device("meta"), torch.bfloat16, 1, 64)
     with pytest.raises(ValueError, match="not a multiple of 64"):
         _mla.AbsorbedDecode(real, 1, 40, cuda)
+
+
+def test_the_route_is_asked_about_the_decoders_own_calls(monkeypatch):
+    """The variant check routes the shape GraphDecoder's mla_decode calls have (its batch, its cache as
+    whole pages), so a route that depends on the shape is asked about the calls that will run, and a
+    forced variant that declines them is the reason the model keeps its attention."""
+    asked = []
+
+    def route(*args):
+        asked.append(args)
+        if args[1] == 3:
+            raise ValueError("mla_decode: HMOE_CUDA_VARIANT='sm90a' does not serve this shape")
+    monkeypatch.setattr(_mla.mla, "route", route)
+    real = _mla.attention_modules(models.model("v3", kv_lora_rank=512, qk_rope_head_dim=64))
+    heads = real[0].num_heads
+    assert _mla.unsupported(real, torch.device("cuda", 1), torch.bfloat16, 8, 4097) == ""
+    assert asked == [(1, 8, heads, 65, _mla.PAGE)]
+    why = _mla.unsupported(real, torch.device("cuda", 0), torch.float16, 3, 64)
+    assert asked[-1] == (0, 3, heads, 1, _mla.PAGE)
+    assert why == ("hmoe.ops.mla_decode cannot run on cuda:0: ValueError: mla_decode: HMOE_CUDA_VARIANT='sm90a' "
+                   "does not serve this shape"), why
+    assert _mla.choose(real, "auto", torch.device("cuda", 0), torch.float16, 3, 64) == (False, why)
+    with pytest.raises(ValueError, match="attention='hmoe' cannot run this model: hmoe.ops.mla_decode cannot run"):
+        _mla.choose(real, "hmoe", torch.device("cuda", 0), torch.float16, 3, 64)
 
 
 @pytest.mark.gpu

@@ -43,8 +43,9 @@ def attention_modules(model) -> list:
     return [m for m in model.modules() if all(hasattr(m, a) for a in _LATENT_MODULE_ATTRS)]
 
 
-def unsupported(modules: list, device, dtype) -> str:
-    """Why the absorbed decode cannot run these modules on `device` in `dtype` ("" when it can)."""
+def unsupported(modules: list, device, dtype, batch: int, cache_len: int) -> str:
+    """Why the absorbed decode cannot run these modules on `device` in `dtype` ("" when it can), for
+    GraphDecoder's calls: `batch` rows over a static cache of `cache_len` tokens a row."""
     if not modules:
         return "the model has no DeepSeek MLA attention modules (kv_a_proj_with_mqa, kv_b_proj)"
     if device.type == "cpu":
@@ -60,19 +61,20 @@ def unsupported(modules: list, device, dtype) -> str:
     if not 1 <= m.num_heads <= mla.MAX_HEADS:
         return f"{m.num_heads} heads: hmoe.ops.mla_decode takes 1 to {mla.MAX_HEADS}"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    try:  # the variant the calls would run (hmoe.dispatch; cached): none, and the reason is why
-        mla.route(index, 1, m.num_heads, 1, PAGE)  # a one-page call: whether any variant runs the heads here
+    try:  # the variant the decoder's calls run (the route of their shape; cached): none, and the reason is why
+        mla.route(index, batch, m.num_heads, -(-cache_len // PAGE), PAGE)
     except Exception as e:  # noqa: BLE001 - any failure to choose a variant is a reason to keep the model's
         return f"hmoe.ops.mla_decode cannot run on {device}: {type(e).__name__}: {e}"
     return ""
 
 
-def choose(modules: list, attention: str, device, dtype) -> tuple[bool, str]:
+def choose(modules: list, attention: str, device, dtype, batch: int, cache_len: int) -> tuple[bool, str]:
     """(whether GraphDecoder's decode steps run absorbed, why) for its `attention` argument ("auto",
-    "hmoe" or "model"); "hmoe" on modules it cannot run is a ValueError that says why."""
+    "hmoe" or "model") and its calls' shape (unsupported); "hmoe" on modules it cannot run is a
+    ValueError that says why."""
     if attention == "model":
         return False, "attention='model'"
-    why = unsupported(modules, device, dtype)
+    why = unsupported(modules, device, dtype, batch, cache_len)
     if why and attention == "hmoe":
         raise ValueError(f"GraphDecoder: attention='hmoe' cannot run this model: {why}")
     if why:

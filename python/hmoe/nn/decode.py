@@ -107,7 +107,8 @@ class GraphDecoder:
         self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         self._cache_kw = _cache_keyword(model)
         modules = _mla.attention_modules(model)
-        absorbed, self.attention_reason = _mla.choose(modules, attention, self.device, self.dtype)
+        absorbed, self.attention_reason = _mla.choose(modules, attention, self.device, self.dtype, self.batch,
+                                                      self.max_len)
         self.attention = "hmoe" if absorbed else "model"
         cache_len = self.max_len
         if absorbed and self.device.type == "cuda":
