@@ -73,8 +73,13 @@ struct PageWalk {
   __device__ __forceinline__ void read() {
     int lane_zero;  // 0, opaque to the compiler (see uniform_row)
     asm("mov.b32 %0, 0;" : "=r"(lane_zero));
-    page =
-        tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1;  // tok < len <= max_pages * page_size: pg is in the row
+    take(tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1);  // tok < len <= max_pages * page_size: pg is in the row
+  }
+  // read() with the current token's entry read beforehand (`entry`, any value where the token is at
+  // or past len): for a walk whose first token is known before the length is (it starts at 0), so
+  // that its entry is read beside the length instead of after it.
+  __device__ __forceinline__ void take(int entry) {
+    page = tok < len ? entry : -1;
     page_off = off;
     page_tok = tok;
     tok += kTile;

@@ -118,10 +118,17 @@ __global__ void __launch_bounds__(32 * kWarps)
 
   const int split = blockIdx.x, head0 = blockIdx.y * kHeads, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The chain that starts the first tile: the sequence length, the page-table entry, the copies.
+  // Split 0 starts at token 0 (this lane's token: `first`) whatever the length, so its first entry
+  // is read beside the length: two dependent reads before its first tile, not three.
+  const int32_t* table = p.page_table + int64_t(b) * p.max_pages;
+  const int first = LOADER == kLoadRows ? lane : 0;
+  int first_entry = -1;
+  if (split == 0 && first < p.max_pages * p.page_size) first_entry = table[first / p.page_size];
+  const int len = clamp_len(p, b);
   // This warp's Q fragments (all heads x its 128 latent and 16 rope dims, zero rows past the last
-  // head) go straight from global memory into registers, in the mma A layout; loaded first, so
-  // that they are in flight with the chain that starts the first tile (sequence length,
-  // page-table entry, copies).
+  // head) go straight from global memory into registers, in the mma A layout, in flight with that
+  // chain.
   uint32_t qf[MT][kLS][4], qr[MT][4];
   {
     const T* qn = static_cast<const T*>(p.q_nope);
@@ -144,7 +151,6 @@ __global__ void __launch_bounds__(32 * kWarps)
       }
   }
 
-  const int len = clamp_len(p, b);
   const int n_tiles = (len + kTile - 1) / kTile;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
@@ -154,8 +160,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   const KvLoader loader(p);
   const TmaLoader tma{&maps.ckv, &maps.kpe};
   const uint32_t bar0 = smem_addr(smem + L::bars) + warp * kStages * 8;  // this warp's mbarriers
-  TokenWalk walk(p.page_table + int64_t(b) * p.max_pages, len, p.page_size, p.num_pages,
-                 t0 * kTile + (LOADER == kLoadRows ? lane : 0));
+  TokenWalk walk(table, len, p.page_size, p.num_pages, t0 * kTile + first);
   auto issue = [&](int stage) {
     const uint32_t buf = kv_s + stage * kTileBytes;
     if constexpr (kTma) {
@@ -179,7 +184,10 @@ __global__ void __launch_bounds__(32 * kWarps)
       for (int st = 0; st < kStages; ++st) TmaLoader::init(bar0 + 8 * st);
     __syncwarp();
   }
-  walk.read();
+  if (split == 0)
+    walk.take(first_entry);
+  else
+    walk.read();
   if (t0 < t1) issue(0);
   if constexpr (!kTma) cp_async_commit();
   if (t0 + 1 < t1) walk.read();  // tile t0 + 1
