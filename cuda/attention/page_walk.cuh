@@ -73,7 +73,8 @@ struct PageWalk {
   __device__ __forceinline__ void read() {
     int lane_zero;  // 0, opaque to the compiler (see uniform_row)
     asm("mov.b32 %0, 0;" : "=r"(lane_zero));
-    take(tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1);  // tok < len <= max_pages * page_size: pg is in the row
+    // tok < len <= max_pages * page_size: pg is in the row
+    take(tok < len ? table[pg + (threadIdx.x & lane_zero)] : -1);
   }
   // read() with the current token's entry read beforehand (`entry`, any value where the token is at
   // or past len): for a walk whose first token is known before the length is (it starts at 0), so
