@@ -68,7 +68,7 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 struct RaggedRows {
   int kv0, lk;
   __device__ __forceinline__ RaggedRows(const PrefillParams&, int, const Request& r) : kv0(r.kv0), lk(r.lk) {}
-  __device__ __forceinline__ int64_t row(int j) const { return j < lk ? int64_t(kv0) + j : -1; }
+  __device__ __forceinline__ int row(int j) const { return j < lk ? kv0 + j : -1; }
 };
 
 // Key j of a paged request: the cache row the page table names (attention/page_walk.cuh's rules).
@@ -77,22 +77,24 @@ struct PagedRows {
   __device__ __forceinline__ PagedRows(const PrefillParams& p, int b, const Request& r)
       : pages{p.page_table + int64_t(b) * p.max_pages, r.lk, p.page_size, p.num_pages, attn::PageDivisor(p.page_size)} {
   }
-  __device__ __forceinline__ int64_t row(int j) const { return pages.row(j); }
+  __device__ __forceinline__ int row(int j) const { return pages.row(j); }
 };
 
 // Copies ROWS rows of D 16-bit elements into a swizzled tile at `dst`: row r of the tile from row
 // row_of(r) of the matrix at `base` (rows `stride` bytes apart), or zeros where row_of(r) < 0 (the
 // copy then names row 0 and reads nothing). 8 threads a row (each D / 64 chunks), NT / 8 rows a pass.
+// Rows and strides are int32 (the launchers check that every row index fits), so each row's address
+// is one 32 x 32 -> 64-bit multiply-add: these copies sit between a tile's barrier and its products.
 template <int D, int ROWS, int NT, typename RowOf>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int64_t stride, RowOf row_of) {
+__device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int stride, RowOf row_of) {
   constexpr int kRowsPerPass = NT / 8;
   static_assert(ROWS % kRowsPerPass == 0, "whole passes");
   const int c0 = threadIdx.x % 8, r0 = threadIdx.x / 8;
 #pragma unroll
   for (int pass = 0; pass < ROWS / kRowsPerPass; ++pass) {
     const int r = r0 + pass * kRowsPerPass;
-    const int64_t row = row_of(r);
-    const char* src = base + (row >= 0 ? row : 0) * stride + c0 * 16;
+    const int row = row_of(r);
+    const char* src = base + int64_t(max(row, 0)) * stride + c0 * 16;
     const uint32_t d = dst + swz<2 * D>(r, c0);
 #pragma unroll
     for (int i = 0; i < D / 64; ++i) cp_async16(d + i * 128, src + i * 128, row < 0);  // chunk c0 + 8 i
@@ -121,7 +123,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   // Tiles every row sees whole need no mask (the fast softmax also needs c > 0: see below).
   const int n_full = c > 0.f ? visible_keys(r, p.causal, q_first) / BN : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const int64_t q_stride = int64_t(p.heads) * DQK;
   T* out = static_cast<T*>(p.out) + (int64_t(r.q0 + q_first) * p.heads + h) * DV;
 
   if (n_tiles == 0) {  // no key for any row: out = 0, lse = -inf
@@ -134,18 +135,19 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
 
   const uint32_t q_s = smem_addr(smem) + C::q_s, k_s = smem_addr(smem) + C::k_s, v_s = smem_addr(smem) + C::v_s;
   const Kv kv(p, b, r);
-  // The bases are rebuilt from the params (constant memory) at each use: registers are scarce
-  // next to O and S.
+  // Tile t of K or V into `dst`; a tile past the last (t == n_tiles) is zeros and reads nothing, so
+  // that the next tile's copies need no branch (see the tile loop). The bases are rebuilt from the
+  // params (constant memory) at each use: registers are scarce next to O and S.
   auto load_k = [&](int t, uint32_t dst) {
     const char* kg = static_cast<const char*>(p.k) + int64_t(kvh) * DQK * 2;
-    copy_rows<DQK, BN, NT>(dst, kg, int64_t(p.kv_heads) * DQK * 2, [&](int i) { return kv.row(t * BN + i); });
+    copy_rows<DQK, BN, NT>(dst, kg, p.kv_heads * DQK * 2, [&](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; });
   };
   auto load_v = [&](int t, uint32_t dst) {
     const char* vg = static_cast<const char*>(p.v) + int64_t(kvh) * DV * 2;
-    copy_rows<DV, BN, NT>(dst, vg, int64_t(p.kv_heads) * DV * 2, [&](int i) { return kv.row(t * BN + i); });
+    copy_rows<DV, BN, NT>(dst, vg, p.kv_heads * DV * 2, [&](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; });
   };
   const char* qg = static_cast<const char*>(p.q) + (int64_t(r.q0 + q_first) * p.heads + h) * DQK * 2;
-  copy_rows<DQK, BM, NT>(q_s, qg, q_stride * 2, [&](int i) { return i < q_rows ? int64_t(i) : int64_t(-1); });
+  copy_rows<DQK, BM, NT>(q_s, qg, p.heads * DQK * 2, [&](int i) { return i < q_rows ? i : -1; });
   // This thread's rows of S and O: 16 mi + g + 8 hf of the warp's 32.
   float o[2][kO8][4], m_run[2][2], l_run[2][2];
 #pragma unroll
@@ -163,8 +165,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   auto k_buf = [&](int t) { return k_s + (C::kKStages == 2 ? (t & 1) * BN * C::kQRow : 0); };
   auto v_buf = [&](int t) { return v_s + (t & 1) * BN * C::kVRow; };
 
-  // S = Q K^T for the tile in `kbuf`: each K fragment feeds both of the warp's 16-row halves.
-  auto scores = [&](float (&s)[2][kN8][4], uint32_t kbuf) {
+  // S = Q K^T for tile t: each K fragment feeds both of the warp's 16-row halves. Tile t + 1's
+  // V (and K, with two K buffers) is issued after the first k step, among the products.
+  auto scores = [&](float (&s)[2][kN8][4], int t) {
+    const uint32_t kbuf = k_buf(t);
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -184,6 +188,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
         for (int mi = 0; mi < 2; ++mi) {
           mma16816<T>(s[mi][j], qa[mi], kb);
           mma16816<T>(s[mi][j + 1], qa[mi], kb + 2);
+        }
+      }
+      if constexpr (C::kKStages == 1) {
+        if (ks == 0) {
+          load_v(t + 1, v_buf(t + 1));
+          cp_async_commit();
         }
       }
     }
@@ -242,9 +252,19 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
         }
     }
   };
+  // With one K buffer, tile t + 1's K is issued after the first row (the caller's barrier has
+  // freed the buffer), among its reductions and exponentials.
   auto softmax = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked) {
 #pragma unroll
-    for (int row = 0; row < 4; ++row) softmax_row(s, pk, t, masked, row / 2, row % 2);
+    for (int row = 0; row < 4; ++row) {
+      softmax_row(s, pk, t, masked, row / 2, row % 2);
+      if constexpr (C::kKStages == 1) {
+        if (row == 0) {
+          load_k(t + 1, k_s);
+          cp_async_commit();
+        }
+      }
+    }
     rescale_o();
   };
 
@@ -278,23 +298,24 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   load_k(0, k_s);
   load_v(0, v_s);
   cp_async_commit();
+  // With one K buffer, the next tile's copies go out inside the products (V) and the softmax (K),
+  // where their address arithmetic fills issue slots, rather than between a barrier and the
+  // products; past the last tile they are zeros (load_k, load_v), so that no branch splits those
+  // blocks. With two, they go out at the top as before: there the branch-free copies made ptxas
+  // spill (88 bytes at 128 x 128, against none).
   for (int t = 0; t < n_tiles; ++t) {
     cp_async_wait<0>();
     __syncthreads();  // tile t visible; every warp is done with tile t - 1's buffers
-    if (t + 1 < n_tiles) {
-      if constexpr (C::kKStages == 2) load_k(t + 1, k_buf(t + 1));
-      load_v(t + 1, v_buf(t + 1));
-      cp_async_commit();
-    }
-    float s[2][kN8][4];
-    scores(s, k_buf(t));
-    if constexpr (C::kKStages == 1) {
-      __syncthreads();  // every warp is done with K(t): its one buffer takes K(t + 1)
+    if constexpr (C::kKStages == 2) {
       if (t + 1 < n_tiles) {
-        load_k(t + 1, k_s);
+        load_k(t + 1, k_buf(t + 1));
+        load_v(t + 1, v_buf(t + 1));
         cp_async_commit();
       }
     }
+    float s[2][kN8][4];
+    scores(s, t);
+    if constexpr (C::kKStages == 1) __syncthreads();  // every warp is done with K(t): its one buffer takes K(t + 1)
     uint32_t pk[2][kN8][2];
     if (t >= n_full)
       softmax(s, pk, t, kMask);
@@ -302,6 +323,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
       softmax(s, pk, t, kWhole);
     accumulate(pk, v_buf(t));
   }
+  cp_async_wait<0>();  // the last tile's copies (zeros) have landed before the CTA ends
 
   // Normalise, round once, stage in this warp's own Q rows (only this warp read them), write.
   const uint32_t stage = q_s + 32 * warp * C::kQRow;
