@@ -252,27 +252,26 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
         }
     }
   };
-  // With one K buffer, tile t + 1's K is issued after the first row (the caller's barrier has
-  // freed the buffer), among its reductions and exponentials.
   auto softmax = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked) {
 #pragma unroll
     for (int row = 0; row < 4; ++row) {
       softmax_row(s, pk, t, masked, row / 2, row % 2);
-      if constexpr (C::kKStages == 1) {
-        if (row == 0) {
-          load_k(t + 1, k_s);
-          cp_async_commit();
-        }
-      }
     }
     rescale_o();
   };
 
-  // O += P V for the tile in `vbuf`: P's C fragments of two n8 tiles (packed by softmax_row) are
-  // the A fragment of one k16 step.
-  auto accumulate = [&](const uint32_t (&pk)[2][kN8][2], uint32_t vbuf) {
+  // O += P V for tile t: P's C fragments of two n8 tiles (packed by softmax_row) are the A
+  // fragment of one k16 step. With one K buffer, tile t + 1's K is issued after the first k16 step.
+  auto accumulate = [&](const uint32_t (&pk)[2][kN8][2], int t) {
+    const uint32_t vbuf = v_buf(t);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
+      if constexpr (C::kKStages == 1) {
+        if (kk == 1) {
+          load_k(t + 1, k_s);
+          cp_async_commit();
+        }
+      }
       uint32_t pa[2][4];
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
@@ -298,11 +297,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   load_k(0, k_s);
   load_v(0, v_s);
   cp_async_commit();
-  // With one K buffer, the next tile's copies go out inside the products (V) and the softmax (K),
-  // where their address arithmetic fills issue slots, rather than between a barrier and the
-  // products; past the last tile they are zeros (load_k, load_v), so that no branch splits those
-  // blocks. With two, they go out at the top as before: there the branch-free copies made ptxas
-  // spill (88 bytes at 128 x 128, against none).
+  // With one K buffer, the next tile's copies go out among the products, V's in S and K's in P V
+  // (once every warp is done with K(t): the barrier after S), where their address arithmetic fills
+  // issue slots, rather than between a barrier and the products or ahead of the softmax; past the
+  // last tile they are zeros (load_k, load_v), so that no branch splits those blocks. With two, they
+  // go out at the top as before: there the branch-free copies made ptxas spill (88 bytes at
+  // 128 x 128, against none).
   for (int t = 0; t < n_tiles; ++t) {
     cp_async_wait<0>();
     __syncthreads();  // tile t visible; every warp is done with tile t - 1's buffers
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
       softmax(s, pk, t, kMask);
     else
       softmax(s, pk, t, kWhole);
-    accumulate(pk, v_buf(t));
+    accumulate(pk, t);
   }
   cp_async_wait<0>();  // the last tile's copies (zeros) have landed before the CTA ends
 
