@@ -84,7 +84,7 @@ struct PagedRows {
 // row_of(r) of the matrix at `base` (rows `stride` bytes apart), or zeros where row_of(r) < 0 (the
 // copy then names row 0 and reads nothing). 8 threads a row (each D / 64 chunks), NT / 8 rows a pass.
 // Rows and strides are int32 (the launchers check that every row index fits), so each row's address
-// is one 32 x 32 -> 64-bit multiply-add: these copies sit between a tile's barrier and its products.
+// is one 32 x 32 -> 64-bit multiply-add.
 template <int D, int ROWS, int NT, typename RowOf>
 __device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int stride, RowOf row_of) {
   constexpr int kRowsPerPass = NT / 8;
@@ -165,8 +165,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   auto k_buf = [&](int t) { return k_s + (C::kKStages == 2 ? (t & 1) * BN * C::kQRow : 0); };
   auto v_buf = [&](int t) { return v_s + (t & 1) * BN * C::kVRow; };
 
-  // S = Q K^T for tile t: each K fragment feeds both of the warp's 16-row halves. Tile t + 1's
-  // V (and K, with two K buffers) is issued after the first k step, among the products.
+  // S = Q K^T for tile t: each K fragment feeds both of the warp's 16-row halves. With one K
+  // buffer, tile t + 1's V is issued after the first k step, among the products.
   auto scores = [&](float (&s)[2][kN8][4], int t) {
     const uint32_t kbuf = k_buf(t);
 #pragma unroll
@@ -254,9 +254,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   };
   auto softmax = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked) {
 #pragma unroll
-    for (int row = 0; row < 4; ++row) {
-      softmax_row(s, pk, t, masked, row / 2, row % 2);
-    }
+    for (int row = 0; row < 4; ++row) softmax_row(s, pk, t, masked, row / 2, row % 2);
     rescale_o();
   };
 
