@@ -622,8 +622,9 @@ MlaDecodePlan mla_decode_plan(int device, int batch, int heads, int max_pages, i
   plan.heads_per_cta = kHeads;
   plan.tile_tokens = kTile;
   plan.smem_bytes = Smem::bytes;
-  plan.num_splits = plan_grid(sms, batch, heads, max_pages, page_size).splits;
-  plan.cluster = plan.num_splits == 2 && pairs_fit(device, batch * ((heads + kHeads - 1) / kHeads)) ? 2 : 1;
+  const Grid g = plan_grid(sms, batch, heads, max_pages, page_size);
+  plan.num_splits = g.splits;
+  plan.cluster = g.splits == 2 && pairs_fit(device, int(g.ctas / g.splits)) ? 2 : 1;  // a cluster per split pair
   return plan;
 }
 
