@@ -138,13 +138,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   // Tile t of K or V into `dst`; a tile past the last (t == n_tiles) is zeros and reads nothing, so
   // that the next tile's copies need no branch (see the tile loop). The bases are rebuilt from the
   // params (constant memory) at each use: registers are scarce next to O and S.
+  auto tile_rows = [&](int t) { return [&, t](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; }; };
   auto load_k = [&](int t, uint32_t dst) {
     const char* kg = static_cast<const char*>(p.k) + int64_t(kvh) * DQK * 2;
-    copy_rows<DQK, BN, NT>(dst, kg, p.kv_heads * DQK * 2, [&](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; });
+    copy_rows<DQK, BN, NT>(dst, kg, p.kv_heads * DQK * 2, tile_rows(t));
   };
   auto load_v = [&](int t, uint32_t dst) {
     const char* vg = static_cast<const char*>(p.v) + int64_t(kvh) * DV * 2;
-    copy_rows<DV, BN, NT>(dst, vg, p.kv_heads * DV * 2, [&](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; });
+    copy_rows<DV, BN, NT>(dst, vg, p.kv_heads * DV * 2, tile_rows(t));
   };
   const char* qg = static_cast<const char*>(p.q) + (int64_t(r.q0 + q_first) * p.heads + h) * DQK * 2;
   copy_rows<DQK, BM, NT>(q_s, qg, p.heads * DQK * 2, [&](int i) { return i < q_rows ? i : -1; });
