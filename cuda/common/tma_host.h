@@ -32,19 +32,51 @@ inline EncodeTiled encode_tiled(const char* op) {
 }
 
 // A [rows, cols] row-major tensor of 16-bit elements at `base`, read in boxes of box_cols x box_rows.
+// Encoded maps are kept per thread, keyed by all that an encoding takes (a map holds nothing else), so
+// that a call whose tensors sit where an earlier call's did with the same shape and box (a layer's
+// KV cache, a query buffer the allocator hands out again) reuses its map: cuTensorMapEncodeTiled
+// costs the H200 machines' host 91-96 ns a map (docs/perf/mla_decode.md), and a call encodes four
+// or five. Direct-mapped, kTensorMapCache entries a thread.
+constexpr int kTensorMapCache = 256;
+
+struct TensorMapKey {
+  const void* base = nullptr;
+  int64_t rows = 0, cols = 0;
+  int box_cols = 0, box_rows = 0, swizzle = -1;
+  bool operator==(const TensorMapKey& o) const {
+    return base == o.base && rows == o.rows && cols == o.cols && box_cols == o.box_cols && box_rows == o.box_rows &&
+           swizzle == o.swizzle;
+  }
+  int slot() const {
+    uint64_t h = uint64_t(reinterpret_cast<uintptr_t>(base)) ^ (uint64_t(rows) << 17) ^ (uint64_t(cols) << 41) ^
+                 (uint64_t(box_cols) << 3) ^ (uint64_t(box_rows) << 9) ^ uint64_t(swizzle);
+    h *= 0x9E3779B97F4A7C15ull;
+    return int(h >> 56) % kTensorMapCache;
+  }
+};
+
 inline CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
                                  CUtensorMapSwizzle swizzle, const char* op) {
-  CUtensorMap map;
+  struct Entry {
+    TensorMapKey key;
+    CUtensorMap map;
+  };
+  thread_local Entry cache[kTensorMapCache];
+  const TensorMapKey key{base, rows, cols, box_cols, box_rows, int(swizzle)};
+  Entry& e = cache[key.slot()];
+  if (e.key == key) return e.map;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
   const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
+  CUtensorMap map;
   const CUresult r = encode_tiled(op)(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides,
                                       box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error(std::string(op) + ": cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) +
                              ")");
+  e.key = key, e.map = map;
   return map;
 }
 

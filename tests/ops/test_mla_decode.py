@@ -12,6 +12,7 @@ from hmoe.ops import _cuda, mla as mla_mod
 
 from .mla_reference import TOL, make_cache, mla_reference, rel_err
 from .ptx_jit import run_forced_ptx
+from .storage import in_storage
 
 DTYPES = [torch.bfloat16, torch.float16]
 SCALE = 1.0 / (192 ** 0.5)
@@ -344,6 +345,30 @@ def test_eager_calls_changing_kernel_grid_and_dtype_on_one_stream(variant):
             assert got is out and rel_err(got[nz], ref_o[nz]) < TOL[dtype] and torch.equal(fresh, got)
             assert (lse[nz].cpu() - ref_lse[nz]).abs().max() < _reference.MLA_LSE_ATOL
             assert (got[~nz] == 0).all() and torch.isneginf(lse[~nz].cpu()).all()
+
+
+@pytest.mark.gpu
+def test_tensors_taking_turns_in_one_storage(variant):
+    # The TMA's tensor maps (sm90a, and the portable kernel's TMA loader) are kept per thread for a
+    # tensor at the same address with the same shape and box (cuda/common/tma_host.h): q and the
+    # cache here take turns in one storage with other head counts, page sizes (boxes of 32 or 16 rows)
+    # and page counts, twice over, each call against its reference.
+    shapes = [(2, 128, [3000, 1000], 64), (2, 128, [3000, 1000], 16), (3, 64, [700, 0, 2200], 64),
+              (1, 33, [5000], 32), (4, 128, [64, 129, 31, 2048], 16)]
+    cases = [make_cache(B, H, lens, page, torch.bfloat16, "cuda", gen(90 + i)) for i, (B, H, lens, page) in
+             enumerate(shapes)]
+    refs = [mla_reference(*c, SCALE) for c in cases]
+    storages = [torch.empty(max(c[j].numel() for c in cases), dtype=torch.bfloat16, device="cuda") for j in range(4)]
+    for _ in range(2):
+        for c, (ref_o, ref_lse), (B, H, lens, page) in zip(cases, refs, shapes):
+            q_nope, q_pe, ckv, kpe = in_storage(c[:4], storages)
+            args = (q_nope, q_pe, ckv, kpe, c[4], c[5])
+            out, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, variant=variant_for(variant, args))
+            torch.cuda.synchronize()
+            nz = torch.tensor(lens) > 0
+            assert rel_err(out[nz], ref_o[nz]) < TOL[torch.bfloat16]
+            assert (lse[nz].cpu() - ref_lse[nz]).abs().max() < _reference.MLA_LSE_ATOL
+            assert (out[~nz] == 0).all()
 
 
 PTX_CHECK = """

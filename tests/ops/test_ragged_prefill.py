@@ -13,6 +13,7 @@ from hmoe.ops import prefill as prefill_mod
 
 from .prefill_reference import DTYPES, HEAD_DIMS, indptr, make_ragged, rel_err, tol
 from .ptx_jit import run_forced_ptx
+from .storage import in_storage
 
 SCALE = 192 ** -0.5
 VARIANT_OP = "ragged_prefill"  # the op of the variant fixture (conftest.py)
@@ -195,6 +196,21 @@ def test_keys_of_other_requests_are_never_read(causal, variant):
     q, k, v, qo, kv = make_ragged(q_lens, kv_lens, 2, 2, (192, 128), torch.bfloat16, "cuda", gen(12))
     k[100:228], v[100:228] = float("nan"), float("nan")
     run_and_check(q, k, v, qo, kv, causal=causal, variant=variant)
+
+
+@pytest.mark.gpu
+def test_tensors_taking_turns_in_one_storage(variant):
+    # The sm90a kernel's tensor maps are kept per thread for a tensor at the same address with the
+    # same shape and box (cuda/common/tma_host.h): q, k and v here take turns in one storage with
+    # other head counts, head dims and row counts, twice over, each call against the references.
+    cases = [([65, 0, 200], [65, 10, 260], 8, 2, (192, 128)), ([65, 0, 200], [65, 10, 260], 8, 8, (192, 128)),
+             ([300, 7], [300, 7], 4, 4, (128, 128)), ([1, 129], [130, 129], 8, 2, (64, 64))]
+    made = [make_ragged(ql, kl, H, Hkv, dims, torch.bfloat16, "cuda", gen(40 + i))
+            for i, (ql, kl, H, Hkv, dims) in enumerate(cases)]
+    storages = [torch.empty(max(m[j].numel() for m in made), dtype=torch.bfloat16, device="cuda") for j in range(3)]
+    for _ in range(2):
+        for q, k, v, qo, kv in made:
+            run_and_check(*in_storage((q, k, v), storages), qo, kv, variant=variant)
 
 
 @pytest.mark.gpu
