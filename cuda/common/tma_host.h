@@ -51,7 +51,8 @@ struct TensorMapKey {
     uint64_t h = uint64_t(reinterpret_cast<uintptr_t>(base)) ^ (uint64_t(rows) << 17) ^ (uint64_t(cols) << 41) ^
                  (uint64_t(box_cols) << 3) ^ (uint64_t(box_rows) << 9) ^ uint64_t(swizzle);
     h *= 0x9E3779B97F4A7C15ull;
-    return int(h >> 56) % kTensorMapCache;
+    static_assert(kTensorMapCache == 256, "the slot is the hash's top 8 bits");
+    return int(h >> 56);
   }
 };
 
