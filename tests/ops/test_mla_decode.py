@@ -360,7 +360,7 @@ def test_tensors_taking_turns_in_one_storage(variant):
     refs = [mla_reference(*c, SCALE) for c in cases]
     storages = [torch.empty(max(c[j].numel() for c in cases), dtype=torch.bfloat16, device="cuda") for j in range(4)]
     for _ in range(2):
-        for c, (ref_o, ref_lse), (B, H, lens, page) in zip(cases, refs, shapes):
+        for c, (ref_o, ref_lse), (_, _, lens, _) in zip(cases, refs, shapes):
             q_nope, q_pe, ckv, kpe = in_storage(c[:4], storages)
             args = (q_nope, q_pe, ckv, kpe, c[4], c[5])
             out, lse = hmoe.ops.mla_decode(*args, sm_scale=SCALE, return_lse=True, variant=variant_for(variant, args))
