@@ -205,6 +205,13 @@ template <int N>
 __device__ __forceinline__ void regs_shrink() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+// setmaxnreg only moves registers within the CTA's pool, which the launch fixes: with one CTA an SM,
+// 65536 / threads rounded down to a multiple of 8 a thread (what ptxas gives a kernel under
+// __launch_bounds__(threads, 1)). An .inc waits until other warpgroups' .dec have freed what it asks
+// for, so a split that asks for more than the pool hangs the kernel: each kernel checks its split.
+constexpr bool regs_split_fits(int threads, int producer_regs, int consumer_warpgroups, int consumer_regs) {
+  return 128 * (producer_regs + consumer_warpgroups * consumer_regs) <= threads * (65536 / threads / 8 * 8);
+}
 
 // x, which every lane of the warp holds, as the compiler can see it: a broadcast from lane 0. What
 // is computed from it (shared-memory addresses, wgmma descriptors, loop counts) then lives in

@@ -68,6 +68,10 @@ constexpr int kTileBytes = kBlocks * kBlockBytes;
 constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kConsumerThreads = 256;
+// Registers a thread after setmaxnreg: the producer's fewest, so that the consumers get the most the
+// pool allows (168 x 384 from the launch = 24 x 128 + 240 x 256).
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+static_assert(regs_split_fits(kThreads, kProducerRegs, 2, kConsumerRegs), "the register split exceeds the CTA's pool");
 // 16 heads or fewer: served from kFewHeadsMinTokens cached tokens (batch x page-table capacity) up, where
 // the grid fits one wave and each CTA walks at most kFewHeadsTiles tiles, or the splits are at their
 // most (mla_decode_declines).
@@ -397,8 +401,8 @@ __device__ __forceinline__ void decode_cta(const MlaDecodeParams& p, const int b
   const int t0 = min(n_tiles, split * per_split), t1 = min(n_tiles, t0 + per_split);
   __syncthreads();
 
-  if (wg == 0) {  // producer: the fewest registers, so that the consumers get 240
-    regs_shrink<24>();
+  if (wg == 0) {  // producer: the fewest registers (kProducerRegs)
+    regs_shrink<kProducerRegs>();
     if (threadIdx.x == 0) produce(p, maps, smem, box, b, len, t0, t1);
     if constexpr (kPair) {  // the epilogue's two cluster barriers
       cluster_sync();
@@ -406,7 +410,7 @@ __device__ __forceinline__ void decode_cta(const MlaDecodeParams& p, const int b
     }
     return;
   }
-  regs_grow<240>();
+  regs_grow<kConsumerRegs>();
   const int c = wg - 1, tid = threadIdx.x - 128 * wg, lane = tid % 32;
   const int r0 = (tid / 32) * 16 + lane / 4, q4 = lane % 4;  // this thread's rows: r0 and r0 + 8
   float l_run[2] = {0.f, 0.f};

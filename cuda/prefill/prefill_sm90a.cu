@@ -58,6 +58,10 @@ constexpr int kBN = 128;           // keys per tile
 constexpr int kBlock = 128 * 128;  // a 64-column block of 128 rows (Q or a K/V tile)
 constexpr int kThreads = 384;      // producer warpgroup + 2 consumer warpgroups
 constexpr int kLast = 8;           // rows of the boxes of a tile's last part
+// Registers a thread after setmaxnreg (the pool from the launch: 168 x 384 = 56 x 128 + 2 x 224 x 128;
+// at 40 the producer's warps spill: docs/perf/prefill.md, The sm90a kernel).
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+static_assert(regs_split_fits(kThreads, kProducerRegs, 2, kConsumerRegs), "the register split exceeds the CTA's pool");
 
 constexpr int kTailHeads = 4;  // the last heads, whose items are taken in turns (Work::fetch)
 // A request's q tiles from its start (prefill::q_tile): from its end, each tile's causal diagonal
@@ -329,16 +333,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = warp_uniform(threadIdx.x / 128);
   if (wg == 0) {  // producer
-    // The launch gives every thread 168 registers (__launch_bounds__(384, 1)); a consumer's
-    // setmaxnreg.inc waits until the producer's dec has freed what it asks for: 56 + 2 x 224 = 3 x 168
-    // (at 40 the producer's warps spill; docs/perf/prefill.md, The sm90a kernel).
-    regs_shrink<56>();
+    regs_shrink<kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) produce<DQK, DV>(p, maps, smem, ring);
     if (warp == 1) produce_last_rows<DQK, DV>(p, smem, ring);
     return;
   }
-  regs_grow<224>();
+  regs_grow<kConsumerRegs>();
   const int c = wg - 1, tid = threadIdx.x - 128 * wg, warp = tid / 32, lane = tid % 32;
   const int r0 = 16 * warp + lane / 4;  // this thread's rows of the consumer's 64: r0 and r0 + 8
   const int q4 = lane % 4;
