@@ -205,10 +205,11 @@ template <int N>
 __device__ __forceinline__ void regs_shrink() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
-// setmaxnreg only moves registers within the CTA's pool, which the launch fixes: with one CTA an SM,
-// 65536 / threads rounded down to a multiple of 8 a thread (what ptxas gives a kernel under
-// __launch_bounds__(threads, 1)). An .inc waits until other warpgroups' .dec have freed what it asks
-// for, so a split that asks for more than the pool hangs the kernel: each kernel checks its split.
+// setmaxnreg only moves registers within the CTA's pool, which the launch fixes at the kernel's
+// register count a thread: under __launch_bounds__(threads, 1) at most 65536 / threads rounded down
+// to a multiple of 8 (168 at 384 threads, what `ptxas -v` reports for both sm90a kernels). An .inc
+// waits until other warpgroups' .dec have freed what it asks for, so a split that asks for more than
+// the pool hangs the kernel: each kernel checks its split against that count.
 constexpr bool regs_split_fits(int threads, int producer_regs, int consumer_warpgroups, int consumer_regs) {
   return 128 * (producer_regs + consumer_warpgroups * consumer_regs) <= threads * (65536 / threads / 8 * 8);
 }
