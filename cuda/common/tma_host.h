@@ -1,5 +1,6 @@
-// Host side of the TMA: tensor maps for 2-d tensors of 16-bit elements, encoded through the driver's
-// cuTensorMapEncodeTiled reached through the runtime (hmoe links no libcuda), resolved once.
+// Host side of the TMA: tensor maps for 2-d tensors of 16-bit elements (read in 2-d boxes, or in
+// boxes of the whole width as blocks), encoded through the driver's cuTensorMapEncodeTiled reached
+// through the runtime (hmoe links no libcuda), resolved once.
 #pragma once
 #include <cuda.h>  // CUtensorMap and the encode function's types (no driver symbol is linked)
 #include <cuda_runtime.h>
@@ -31,54 +32,75 @@ inline EncodeTiled encode_tiled(const char* op) {
   return fn;
 }
 
-// A [rows, cols] row-major tensor of 16-bit elements at `base`, read in boxes of box_cols x box_rows.
-// Encoded maps are kept per thread, keyed by all that an encoding takes (a map holds nothing else), so
-// that a call whose tensors sit where an earlier call's did with the same shape and box (a layer's
-// KV cache, a query buffer the allocator hands out again) reuses its map: cuTensorMapEncodeTiled
-// costs the H200 machines' host 91-96 ns a map (docs/perf/mla_decode.md), and a call encodes four
-// or five. Direct-mapped, kTensorMapCache entries a thread.
+// Encoded maps (tensor_map_2d, tensor_map_blocks below) are kept per thread, keyed by all that an
+// encoding takes (a map holds nothing else), so that a call whose tensors sit where an earlier call's
+// did with the same shape and box (a layer's KV cache, a query buffer the allocator hands out again)
+// reuses its map: cuTensorMapEncodeTiled costs the H200 machines' host 91-96 ns a map
+// (docs/perf/mla_decode.md), and a call encodes four or five. Direct-mapped, kTensorMapCache entries a
+// thread.
 constexpr int kTensorMapCache = 256;
 
 struct TensorMapKey {
   const void* base = nullptr;
   int64_t rows = 0, cols = 0;
   int box_cols = 0, box_rows = 0, swizzle = -1;
+  bool blocks = false;  // tensor_map_blocks's 3-d map
   bool operator==(const TensorMapKey& o) const {
     return base == o.base && rows == o.rows && cols == o.cols && box_cols == o.box_cols && box_rows == o.box_rows &&
-           swizzle == o.swizzle;
+           swizzle == o.swizzle && blocks == o.blocks;
   }
   int slot() const {
     uint64_t h = uint64_t(reinterpret_cast<uintptr_t>(base)) ^ (uint64_t(rows) << 17) ^ (uint64_t(cols) << 41) ^
-                 (uint64_t(box_cols) << 3) ^ (uint64_t(box_rows) << 9) ^ uint64_t(swizzle);
+                 (uint64_t(box_cols) << 3) ^ (uint64_t(box_rows) << 9) ^ uint64_t(swizzle) ^ (uint64_t(blocks) << 15);
     h *= 0x9E3779B97F4A7C15ull;
     static_assert(kTensorMapCache == 256, "the slot is the hash's top 8 bits");
     return int(h >> 56);
   }
 };
 
-inline CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
-                                 CUtensorMapSwizzle swizzle, const char* op) {
+// The map `key` describes, from this thread's cache or encoded (and cached).
+inline CUtensorMap tensor_map(const TensorMapKey& key, const char* op) {
   struct Entry {
     TensorMapKey key;
     CUtensorMap map;
   };
   thread_local Entry cache[kTensorMapCache];
-  const TensorMapKey key{base, rows, cols, box_cols, box_rows, int(swizzle)};
   Entry& e = cache[key.slot()];
   if (e.key == key) return e.map;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
+  // blocks: dims (box_cols, rows, cols / box_cols), strides cols and box_cols elements; else (cols, rows).
+  const int64_t nblocks = key.blocks ? key.cols / key.box_cols : 1;
+  const cuuint64_t dims[3] = {cuuint64_t(key.blocks ? key.box_cols : key.cols), cuuint64_t(key.rows),
+                              cuuint64_t(nblocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(key.cols) * 2, cuuint64_t(key.box_cols) * 2};
+  const cuuint32_t box[3] = {cuuint32_t(key.box_cols), cuuint32_t(key.box_rows), cuuint32_t(nblocks)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
   CUtensorMap map;
-  const CUresult r = encode_tiled(op)(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides,
-                                      box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode_tiled(op)(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, key.blocks ? 3 : 2, const_cast<void*>(key.base), dims,
+                       strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CUtensorMapSwizzle(key.swizzle),
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error(std::string(op) + ": cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) +
                              ")");
   e.key = key, e.map = map;
   return map;
+}
+
+// A [rows, cols] row-major tensor of 16-bit elements at `base`, read in boxes of box_cols x box_rows.
+inline CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
+                                 CUtensorMapSwizzle swizzle, const char* op) {
+  return tensor_map({base, rows, cols, box_cols, box_rows, int(swizzle), false}, op);
+}
+
+// The same tensor read in boxes of box_rows rows and the whole width (cols a multiple of box_cols): one
+// 3-d box (tma_load_3d at (0, row, 0)) lands as the cols / box_cols 2-d boxes of box_cols x box_rows
+// at columns 0, box_cols, ... would, one after another (the same swizzle), in one copy instead of
+// cols / box_cols.
+inline CUtensorMap tensor_map_blocks(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
+                                     CUtensorMapSwizzle swizzle, const char* op) {
+  if (box_cols <= 0 || cols % box_cols != 0)
+    throw std::invalid_argument(std::string(op) + ": a blocked tensor map's width must be a multiple of its box's");
+  return tensor_map({base, rows, cols, box_cols, box_rows, int(swizzle), true}, op);
 }
 
 }  // namespace hmoe

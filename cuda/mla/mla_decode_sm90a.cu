@@ -8,9 +8,10 @@
 // One CTA = (KV split, 64 heads, request) and three warpgroups, walking the cache in 32-token tiles
 // through a ring of four. Shared memory holds the CTA's Q (64 heads x 576 dims) and the ring, as
 // 64-column blocks in the TMA's 128-byte swizzle (attention/wgmma.cuh).
-//   producer    one thread: Q's nine boxes (issued before the sequence length is read), then each
-//               tile's boxes (32 / box rows per block, box = gcd(page size, 32) rows, so a box never
-//               crosses a page; a missing page or tokens past the sequence are boxes outside the
+//   producer    one thread: Q's two boxes (issued before the sequence length is read), then each
+//               tile's boxes (box = gcd(page size, 32) rows, so a box never crosses a page: with pages
+//               of a multiple of 32 tokens a tile is two boxes, its eight latent blocks in one, else
+//               9 x 32 / box; a missing page or tokens past the sequence are boxes outside the
 //               tensor, which arrive as zeros), on the tile buffer's "full" mbarrier, after its
 //               "empty" one says both consumers are done.
 //   consumers   a seesaw: consumer c (0, 1) computes S = Q K^T (wgmma m64n32k16, 36 k-steps, fp32;
@@ -109,8 +110,11 @@ static_assert(kStageBytes + kPeerOBytes + kHeads * 8 <= kStages * kTileBytes, "t
 // stage (kBarP + stage: its owner arrives, the other consumer waits).
 constexpr int kBarEnd = 1, kBarOwn = 2, kBarP = 4;
 
-// The tensor maps: q_nope [B * H, 512] and q_pe [B * H, 64] in boxes of 64 x 64, ckv [rows, 512] and
-// kpe [rows, 64] in boxes of 64 x box rows; all with the 128-byte swizzle.
+// The tensor maps: q_nope [B * H, 512] in boxes of its eight 64-column blocks x 64 rows and q_pe
+// [B * H, 64] in boxes of 64 x 64; ckv [rows, 512] in boxes of its eight blocks x box rows where box is
+// the tile's 32 rows (tensor_map_blocks: the latent blocks of a tile in one copy), else 64 x box, and
+// kpe [rows, 64] in boxes of 64 x box; all with the 128-byte swizzle. A box of blocks lands as its 2-d
+// boxes side by side would.
 struct Maps {
   CUtensorMap q_nope, q_pe, ckv, kpe;
 };
@@ -119,15 +123,15 @@ __device__ __forceinline__ void grid_dependents_may_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// Q's nine boxes, on its mbarrier: issued by thread 0 before anything else, since they need no
-// sequence length (the other copies wait for the length and then the page table).
+// Q's two boxes (its latent blocks, its rope block), on its mbarrier: issued by thread 0 before
+// anything else, since they need no sequence length (the other copies wait for the length and then
+// the page table).
 __device__ __forceinline__ void load_q(const MlaDecodeParams& p, const Maps& maps, uint32_t smem, uint32_t qbar, int b,
                                        int head0) {
   mbar_expect_tx(qbar, kBlocks * kQBlockBytes);
   const int qrow = b * p.heads + head0;
-  for (int blk = 0; blk < kBlocks; ++blk)
-    tma_load_2d(smem + Smem::q + blk * kQBlockBytes, blk < kLatentBlocks ? &maps.q_nope : &maps.q_pe,
-                blk < kLatentBlocks ? 64 * blk : 0, qrow, qbar);
+  tma_load_3d(smem + Smem::q, &maps.q_nope, 0, qrow, 0, qbar);
+  tma_load_2d(smem + Smem::q + kLatentBlocks * kQBlockBytes, &maps.q_pe, 0, qrow, qbar);
 }
 
 // The producer: every tile of the split into the ring.
@@ -151,6 +155,12 @@ __device__ __forceinline__ void produce(const MlaDecodeParams& p, const Maps& ma
     if (i >= kStages) mbar_wait(empty + 8 * stage, ((i / kStages) - 1) & 1);
     const uint32_t buf = smem + Smem::kv + stage * kTileBytes;
     mbar_expect_tx(full + 8 * stage, kTileBytes);
+    if (box == kTile) {  // the latent blocks in one box (maps.ckv from tensor_map_blocks), the rope block
+      const int row = box_row(t * kTile);
+      tma_load_3d(buf, &maps.ckv, 0, row, 0, full + 8 * stage);
+      tma_load_2d(buf + kLatentBlocks * kBlockBytes, &maps.kpe, 0, row, full + 8 * stage);
+      continue;
+    }
     for (int g = 0; g < kTile; g += box) {
       const int row = box_row(t * kTile + g);
       for (int blk = 0; blk < kBlocks; ++blk)
@@ -655,9 +665,11 @@ void mla_decode_launch(const MlaDecodeParams& p, const MlaDecodePlan& plan, int 
   const int box = box_rows(p.page_size);
   const int64_t rows = int64_t(p.num_pages) * p.page_size, qrows = int64_t(p.batch) * p.heads;
   Maps maps;
-  maps.q_nope = tensor_map_2d(p.q_nope, qrows, kMlaDimCkv, 64, kHeads, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
+  maps.q_nope = tensor_map_blocks(p.q_nope, qrows, kMlaDimCkv, 64, kHeads, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
   maps.q_pe = tensor_map_2d(p.q_pe, qrows, kMlaDimPe, 64, kHeads, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
-  maps.ckv = tensor_map_2d(p.ckv, rows, kMlaDimCkv, 64, box, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
+  maps.ckv = box == kTile
+                 ? tensor_map_blocks(p.ckv, rows, kMlaDimCkv, 64, box, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode")
+                 : tensor_map_2d(p.ckv, rows, kMlaDimCkv, 64, box, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
   maps.kpe = tensor_map_2d(p.kpe, rows, kMlaDimPe, 64, box, CU_TENSOR_MAP_SWIZZLE_128B, "mla_decode");
   const dim3 grid(p.num_splits, (p.heads + kHeads - 1) / kHeads, p.batch);
   Launches launches;
