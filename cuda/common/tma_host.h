@@ -59,7 +59,7 @@ struct TensorMapKey {
 };
 
 // The map `key` describes, from this thread's cache or encoded (and cached).
-inline CUtensorMap tensor_map(const TensorMapKey& key, const char* op) {
+inline CUtensorMap cached_tensor_map(const TensorMapKey& key, const char* op) {
   struct Entry {
     TensorMapKey key;
     CUtensorMap map;
@@ -89,7 +89,7 @@ inline CUtensorMap tensor_map(const TensorMapKey& key, const char* op) {
 // A [rows, cols] row-major tensor of 16-bit elements at `base`, read in boxes of box_cols x box_rows.
 inline CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
                                  CUtensorMapSwizzle swizzle, const char* op) {
-  return tensor_map({base, rows, cols, box_cols, box_rows, int(swizzle), false}, op);
+  return cached_tensor_map({base, rows, cols, box_cols, box_rows, int(swizzle), false}, op);
 }
 
 // The same tensor read in boxes of box_rows rows and the whole width (cols a multiple of box_cols): one
@@ -100,7 +100,7 @@ inline CUtensorMap tensor_map_blocks(const void* base, int64_t rows, int64_t col
                                      CUtensorMapSwizzle swizzle, const char* op) {
   if (box_cols <= 0 || cols % box_cols != 0)
     throw std::invalid_argument(std::string(op) + ": a blocked tensor map's width must be a multiple of its box's");
-  return tensor_map({base, rows, cols, box_cols, box_rows, int(swizzle), true}, op);
+  return cached_tensor_map({base, rows, cols, box_cols, box_rows, int(swizzle), true}, op);
 }
 
 }  // namespace hmoe
