@@ -1,6 +1,6 @@
 // The Hopper (sm_90 and newer) mbarrier, TMA, proxy-fence and thread-block-cluster primitives of
-// hmoe's attention kernels: the sm90a family's warp-specialised kernels and the portable MLA decode
-// kernel's TMA loader (which instantiates them on sm_90+ only).
+// hmoe's attention kernels: the sm90a family's warp-specialised kernels and the portable kernels'
+// TMA loaders (the MLA decode's and the prefill's, which instantiate them on sm_90+ only).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -59,6 +59,19 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int x
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
           "r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+
+// tma_load_3d issued by one elected lane of the calling warp (converged, warp-uniform operands, which
+// then sit in uniform registers), which first announces `bytes` on the mbarrier at `bar`.
+__device__ __forceinline__ void tma_load_3d_elected(uint32_t dst, const void* map, int x, int y, int z, uint32_t bar,
+                                                    uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n"
+      "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%5], %6;\n"
+      "@p cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      "}\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar), "r"(bytes)
       : "memory");
 }
 

@@ -4,7 +4,9 @@
 //
 // One CTA = one q tile (32 rows a warp, 4 or 8 warps; one request, one head). Q stays in
 // shared memory (it is re-read for every key tile: registers hold O and S), keys and values come
-// in tiles of kBN rows through cp.async. Per tile:
+// in tiles of kBN rows through cp.async, or on sm_90 and newer, for ragged keys, through the TMA
+// (one 3-d box a matrix, issued by one lane, completing on an mbarrier) wherever the tile lies
+// whole inside the request (RaggedTma; its last, partial tile takes cp.async). Per tile:
 //   S = Q K^T    each warp its 32 rows x kBN keys, fp32 accumulators (K fragments feed 2 mma)
 //   softmax      online, log2 domain, attention/softmax.cuh's rules (lazy max, skipped rescale);
 //                the mask only on tiles that cross the causal diagonal or the sequence's end
@@ -17,6 +19,7 @@
 
 #include <cstdint>
 
+#include "attention/mbarrier.cuh"
 #include "attention/mma.cuh"
 #include "attention/page_walk.cuh"
 #include "attention/softmax.cuh"
@@ -46,33 +49,53 @@ struct Config {
   static constexpr int kDqk = DQK, kDv = DV, kBN = BN, kKStages = KSTAGES;
   static constexpr int kWarps = WARPS, kThreads = 32 * kWarps, kBM = 32 * kWarps;
   static constexpr int kMinBlocks = kWarps == 4 ? 2 : 1;   // CTAs an SM holds (registers <= 255 either way)
-  static constexpr int kQRow = 2 * kDqk, kVRow = 2 * kDv;  // bytes of a shared-memory row
+  static constexpr int kQRow = 2 * kDqk, kVRow = 2 * kDv;  // bytes of a row of Q, K, V
+  static constexpr int kBlock = kBN * 128;                 // a K or V tile's block of 64 columns
+  // Offsets from the base (kPortableAlign-aligned where the TMA copies: the launcher adds that much
+  // slack): Q, the K buffers, the two V buffers, the TMA's mbarriers (K's, then V's).
   static constexpr int q_s = 0;
   static constexpr int k_s = q_s + kBM * kQRow;
   static constexpr int v_s = k_s + kKStages * kBN * kQRow;
-  static constexpr int kSmem = v_s + 2 * kBN * kVRow;
+  static constexpr int bars = v_s + 2 * kBN * kVRow;
+  static constexpr int kSmem = portable_smem(PortableConfig{DQK, DV, BN, KSTAGES, WARPS});
+  static_assert(bars + 8 * (kKStages + 2) + kPortableAlign == kSmem, "portable_smem spells out this layout");
+  static_assert(k_s % kPortableAlign == 0 && kBN * kQRow % kPortableAlign == 0 && kBN * kVRow % kPortableAlign == 0 &&
+                    kBlock % kPortableAlign == 0,
+                "K and V blocks start on the 128-byte swizzle's period");
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDv <= kDqk, "rows of whole 128-byte lines; O fits in Q's rows");
   static_assert(kBN % (kThreads / 8) == 0 && (KSTAGES == 1 || KSTAGES == 2) && (kWarps == 4 || kWarps == 8),
                 "tile shape: whole copy passes of kThreads / 8 rows");
 };
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRowBytes-byte rows: chunks are
-// XOR-swizzled by the row's low 3 bits inside each 128-byte line, so the 8 rows of an ldmatrix hit
-// 8 distinct bank groups and 8 threads copying a line write it whole.
-template <int kRowBytes>
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows start kRow bytes apart and
+// whose 128-byte lines of a row (8 chunks each) lie kLine bytes apart: chunks are XOR-swizzled by
+// the row's low 3 bits inside each line, so the 8 rows of an ldmatrix hit 8 distinct bank groups
+// and 8 threads copying a line write it whole. Q is row by row (kRow = its row, kLine = 128); K and
+// V are blocks of 64 columns (kRow = 128, kLine = the block), the layout of the TMA's 3-d box with
+// the 128-byte swizzle.
+template <int kRow, int kLine>
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
-  return row * kRowBytes + (((chunk & ~7) | ((chunk ^ row) & 7)) << 4);
+  return row * kRow + (chunk >> 3) * kLine + (((chunk ^ row) & 7) << 4);
 }
 
 // Key j of a ragged request: row kv0 + j of k and v.
 struct RaggedRows {
+  static constexpr bool kTma = false;
   int kv0, lk;
   __device__ __forceinline__ RaggedRows(const PrefillParams&, int, const Request& r) : kv0(r.kv0), lk(r.lk) {}
   __device__ __forceinline__ int row(int j) const { return j < lk ? kv0 + j : -1; }
 };
 
+// The same keys, with the tiles that lie whole inside the request copied by the TMA on sm_90 and
+// newer (PortableMaps; compiled as RaggedRows below sm_90, where the launcher never picks it).
+struct RaggedTma : RaggedRows {
+  static constexpr bool kTma = true;
+  using RaggedRows::RaggedRows;
+};
+
 // Key j of a paged request: the cache row the page table names (attention/page_walk.cuh's rules).
 struct PagedRows {
+  static constexpr bool kTma = false;
   attn::PageLookup pages;
   __device__ __forceinline__ PagedRows(const PrefillParams& p, int b, const Request& r)
       : pages{p.page_table + int64_t(b) * p.max_pages, r.lk, p.page_size, p.num_pages, attn::PageDivisor(p.page_size)} {
@@ -80,12 +103,12 @@ struct PagedRows {
   __device__ __forceinline__ int row(int j) const { return pages.row(j); }
 };
 
-// Copies ROWS rows of D 16-bit elements into a swizzled tile at `dst`: row r of the tile from row
-// row_of(r) of the matrix at `base` (rows `stride` bytes apart), or zeros where row_of(r) < 0 (the
-// copy then names row 0 and reads nothing). 8 threads a row (each D / 64 chunks), NT / 8 rows a pass.
-// Rows and strides are int32 (the launchers check that every row index fits), so each row's address
-// is one 32 x 32 -> 64-bit multiply-add.
-template <int D, int ROWS, int NT, typename RowOf>
+// Copies ROWS rows of D 16-bit elements into a swizzled tile at `dst` (swz<kRow, kLine>): row r of
+// the tile from row row_of(r) of the matrix at `base` (rows `stride` bytes apart), or zeros where
+// row_of(r) < 0 (the copy then names row 0 and reads nothing). 8 threads a row (each D / 64
+// chunks), NT / 8 rows a pass. Rows and strides are int32 (the launchers check that every row index
+// fits), so each row's address is one 32 x 32 -> 64-bit multiply-add.
+template <int D, int ROWS, int NT, int kRow, int kLine, typename RowOf>
 __device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int stride, RowOf row_of) {
   constexpr int kRowsPerPass = NT / 8;
   static_assert(ROWS % kRowsPerPass == 0, "whole passes");
@@ -95,19 +118,26 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const char* base, int st
     const int r = r0 + pass * kRowsPerPass;
     const int row = row_of(r);
     const char* src = base + int64_t(max(row, 0)) * stride + c0 * 16;
-    const uint32_t d = dst + swz<2 * D>(r, c0);
+    const uint32_t d = dst + swz<kRow, kLine>(r, c0);
 #pragma unroll
-    for (int i = 0; i < D / 64; ++i) cp_async16(d + i * 128, src + i * 128, row < 0);  // chunk c0 + 8 i
+    for (int i = 0; i < D / 64; ++i) cp_async16(d + i * kLine, src + i * 128, row < 0);  // chunk c0 + 8 i
   }
 }
 
+// maps: the TMA's views of k and v (RaggedTma on sm_90+ only; unused otherwise).
 template <typename T, typename C, typename Kv>
-__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    prefill_kernel(const PrefillParams p, const __grid_constant__ PortableMaps maps) {
   constexpr int BM = C::kBM, BN = C::kBN, DQK = C::kDqk, DV = C::kDv, NT = C::kThreads;
   constexpr int kN8 = BN / 8;    // n8 tiles of S
   constexpr int kO8 = DV / 8;    // n8 tiles of O
   constexpr int kKs = DQK / 16;  // k16 steps of S
-  extern __shared__ __align__(128) unsigned char smem[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kTma = Kv::kTma;
+#else
+  constexpr bool kTma = false;
+#endif
+  extern __shared__ __align__(128) unsigned char smem_window[];
 
   const int slot = blockIdx.x % p.max_items, h = blockIdx.x / p.max_items;
   const int2 item = reinterpret_cast<const int2*>(p.workspace)[slot];
@@ -133,22 +163,59 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
     return;
   }
 
-  const uint32_t q_s = smem_addr(smem) + C::q_s, k_s = smem_addr(smem) + C::k_s, v_s = smem_addr(smem) + C::v_s;
+  // The TMA's boxes need the swizzle's period (the launcher's slack); the cp.async layout does not,
+  // and there the window's own address (folded into immediates) saves registers (sm_80: 24 bytes
+  // spilled against 112).
+  const uint32_t smem =
+      kTma ? (smem_addr(smem_window) + kPortableAlign - 1) & ~uint32_t(kPortableAlign - 1) : smem_addr(smem_window);
+  const uint32_t q_s = smem + C::q_s, k_s = smem + C::k_s, v_s = smem + C::v_s;
   const Kv kv(p, b, r);
+  // The TMA's tiles: those that lie whole inside the request (the others, and every tile without
+  // RaggedTma, go by cp.async). A buffer's mbarrier completes a phase per TMA tile it receives, and
+  // every tile before a TMA tile is one too, so its parity is the buffer's use count mod 2.
+  auto by_tma = [&](int t) {
+    if constexpr (kTma)
+      return t < n_tiles && (t + 1) * BN <= kv.lk;
+    else
+      return false;
+  };
+  auto k_bar = [&](int t) { return smem + C::bars + (C::kKStages == 2 ? (t & 1) * 8 : 0); };
+  auto v_bar = [&](int t) { return smem + C::bars + 8 * C::kKStages + (t & 1) * 8; };
   // Tile t of K or V into `dst`; a tile past the last (t == n_tiles) is zeros and reads nothing, so
   // that the next tile's copies need no branch (see the tile loop). The bases are rebuilt from the
   // params (constant memory) at each use: registers are scarce next to O and S.
   auto tile_rows = [&](int t) { return [&, t](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; }; };
   auto load_k = [&](int t, uint32_t dst) {
+    if constexpr (kTma) {
+      if (by_tma(t)) {  // warp 0's elected lane: rows kv0 + t BN on, the head's DQK / 64 blocks
+        if (warp == 0)
+          attn::sm90::tma_load_3d_elected(dst, &maps.k, 0, kv.kv0 + t * BN, kvh * (DQK / 64), k_bar(t), BN * 2 * DQK);
+        return;
+      }
+    }
     const char* kg = static_cast<const char*>(p.k) + int64_t(kvh) * DQK * 2;
-    copy_rows<DQK, BN, NT>(dst, kg, p.kv_heads * DQK * 2, tile_rows(t));
+    copy_rows<DQK, BN, NT, 128, C::kBlock>(dst, kg, p.kv_heads * DQK * 2, tile_rows(t));
   };
   auto load_v = [&](int t, uint32_t dst) {
+    if constexpr (kTma) {
+      if (by_tma(t)) {
+        if (warp == 0)
+          attn::sm90::tma_load_3d_elected(dst, &maps.v, 0, kv.kv0 + t * BN, kvh * (DV / 64), v_bar(t), BN * 2 * DV);
+        return;
+      }
+    }
     const char* vg = static_cast<const char*>(p.v) + int64_t(kvh) * DV * 2;
-    copy_rows<DV, BN, NT>(dst, vg, p.kv_heads * DV * 2, tile_rows(t));
+    copy_rows<DV, BN, NT, 128, C::kBlock>(dst, vg, p.kv_heads * DV * 2, tile_rows(t));
   };
   const char* qg = static_cast<const char*>(p.q) + (int64_t(r.q0 + q_first) * p.heads + h) * DQK * 2;
-  copy_rows<DQK, BM, NT>(q_s, qg, p.heads * DQK * 2, [&](int i) { return i < q_rows ? i : -1; });
+  copy_rows<DQK, BM, NT, C::kQRow, 128>(q_s, qg, p.heads * DQK * 2, [&](int i) { return i < q_rows ? i : -1; });
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < C::kKStages + 2; ++i) attn::sm90::mbar_init(smem + C::bars + 8 * i, 1);
+      attn::sm90::mbar_init_fence();
+    }
+    __syncthreads();  // the mbarriers are initialised before any copy completes on them or waits
+  }
   // This thread's rows of S and O: 16 mi + g + 8 hf of the warp's 32.
   float o[2][kO8][4], m_run[2][2], l_run[2][2];
 #pragma unroll
@@ -160,8 +227,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   }
   // ldmatrix rows of this lane and the XOR its chunks take (swz with the row's low bits = lane's).
   const uint32_t q_lane = q_s + (32 * warp + (lane & 15)) * C::kQRow;
-  const uint32_t k_lane = ((lane & 7) + ((lane >> 4) << 3)) * C::kQRow;
-  const uint32_t v_lane = (lane & 15) * C::kVRow;
+  const uint32_t k_lane = ((lane & 7) + ((lane >> 4) << 3)) * 128;
+  const uint32_t v_lane = (lane & 15) * 128;
   const int xq = (lane >> 4) ^ (lane & 7), xk = ((lane >> 3) & 1) ^ (lane & 7);
   auto k_buf = [&](int t) { return k_s + (C::kKStages == 2 ? (t & 1) * BN * C::kQRow : 0); };
   auto v_buf = [&](int t) { return v_s + (t & 1) * BN * C::kVRow; };
@@ -177,14 +244,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
 #pragma unroll
     for (int ks = 0; ks < kKs; ++ks) {
       const uint32_t col_q = ((ks >> 2) << 7) + ((((ks & 3) << 1) ^ xq) << 4);
-      const uint32_t col_k = ((ks >> 2) << 7) + ((((ks & 3) << 1) ^ xk) << 4);
+      const uint32_t col_k = (ks >> 2) * C::kBlock + ((((ks & 3) << 1) ^ xk) << 4);
       uint32_t qa[2][4];
       ldmatrix_x4(qa[0], q_lane + col_q);
       ldmatrix_x4(qa[1], q_lane + 16 * C::kQRow + col_q);
 #pragma unroll
       for (int j = 0; j < kN8; j += 2) {
         uint32_t kb[4];
-        ldmatrix_x4(kb, kbuf + j * 8 * C::kQRow + k_lane + col_k);
+        ldmatrix_x4(kb, kbuf + j * 8 * 128 + k_lane + col_k);
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           mma16816<T>(s[mi][j], qa[mi], kb);
@@ -260,13 +327,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   };
 
   // O += P V for tile t: P's C fragments of two n8 tiles (packed by softmax_row) are the A
-  // fragment of one k16 step. With one K buffer, tile t + 1's K is issued after the first k16 step.
+  // fragment of one k16 step. With one K buffer, tile t + 1's K is issued after the first k16 step,
+  // or before it where the TMA may copy it.
   auto accumulate = [&](const uint32_t (&pk)[2][kN8][2], int t) {
     const uint32_t vbuf = v_buf(t);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       if constexpr (C::kKStages == 1) {
-        if (kk == 1) {
+        if (kk == (kTma ? 0 : 1)) {
           load_k(t + 1, k_s);
           cp_async_commit();
         }
@@ -282,7 +350,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
 #pragma unroll
       for (int j = 0; j < kO8; j += 2) {  // n8 tiles j, j + 1: 16-byte chunks j, j + 1 (lane's: j + (lane >> 4))
         uint32_t vb[4];
-        ldmatrix_x4_trans(vb, vbuf + kk * 16 * C::kVRow + v_lane + ((j >> 3) << 7) + (((j & 7) ^ xq) << 4));
+        ldmatrix_x4_trans(vb, vbuf + kk * 16 * 128 + v_lane + (j >> 3) * C::kBlock + (((j & 7) ^ xq) << 4));
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           mma16816<T>(o[mi][j], pa[mi], vb);
@@ -296,15 +364,23 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
   load_k(0, k_s);
   load_v(0, v_s);
   cp_async_commit();
-  // With one K buffer, the next tile's copies go out among the products, V's in S and K's in P V
-  // (once every warp is done with K(t): the barrier after S), where their address arithmetic fills
-  // issue slots, rather than between a barrier and the products or ahead of the softmax; past the
-  // last tile they are zeros (load_k, load_v), so that no branch splits those blocks. With two, they
-  // go out at the top as before: there the branch-free copies made ptxas spill (88 bytes at
-  // 128 x 128, against none).
+  // With one K buffer, the next tile's cp.async copies go out among the products, V's in S and K's
+  // in P V (once every warp is done with K(t): the barrier after S), where their address arithmetic
+  // fills issue slots, rather than between a barrier and the products or ahead of the softmax; past
+  // the last tile they are zeros (load_k, load_v), so that no branch splits those blocks. Where the
+  // TMA may copy K(t + 1), it goes out before P V's first k16 step (before the softmax or after P
+  // V's first step took more cycles: docs/perf/prefill.md). With two K buffers, the copies go out
+  // at the top as before: there the branch-free copies made ptxas spill (88 bytes at 128 x 128,
+  // against none).
   for (int t = 0; t < n_tiles; ++t) {
     cp_async_wait<0>();
     __syncthreads();  // tile t visible; every warp is done with tile t - 1's buffers
+    if constexpr (kTma) {
+      if (by_tma(t)) {  // or its TMA copies have landed (each buffer's parity: its use count mod 2)
+        attn::sm90::mbar_wait(k_bar(t), (C::kKStages == 2 ? t >> 1 : t) & 1);
+        attn::sm90::mbar_wait(v_bar(t), (t >> 1) & 1);
+      }
+    }
     if constexpr (C::kKStages == 2) {
       if (t + 1 < n_tiles) {
         load_k(t + 1, k_buf(t + 1));
@@ -339,7 +415,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
 #pragma unroll
       for (int j = 0; j < kO8; ++j) {
         const uint32_t v = pack2<T>(o[mi][j][2 * hf] * inv, o[mi][j][2 * hf + 1] * inv);
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + swz<C::kQRow>(row, j) + 4 * tq), "r"(v) : "memory");
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(stage + swz<C::kQRow, 128>(row, j) + 4 * tq), "r"(v) : "memory");
       }
     }
   __syncwarp();
@@ -350,7 +426,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) prefill_kernel(con
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(stage + swz<C::kQRow>(row, chunk))
+                 : "r"(stage + swz<C::kQRow, 128>(row, chunk))
                  : "memory");
     st_global16(out + int64_t(32 * warp + row) * p.heads * DV + chunk * 8, v);
   }

@@ -11,6 +11,7 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.h"
+#include "common/tma_host.h"
 #include "prefill/prefill.h"
 #include "prefill/prefill_portable.h"
 #include "prefill/prefill_schedule.cuh"
@@ -88,8 +89,11 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   PrefillParams p = p0;
   p.max_items = plan.max_items;
   launch_schedule(p, plan.tile_q, kPortableQOrder, stream, "prefill");
+  // Ragged keys through the TMA on sm_90 and newer (PortableMaps; none to map without keys).
+  const bool tma = p.kv == kPrefillRagged && p.total_kv > 0 &&
+                   device_attribute(device, cudaDevAttrComputeCapabilityMajor, "prefill") >= 9;
   with_dims(p.head_dim_qk, p.head_dim_v, [&](auto dqk, auto dv) {
-    portable_kernel_launch<decltype(dqk)::value, decltype(dv)::value>(p, plan.config, stream);
+    portable_kernel_launch<decltype(dqk)::value, decltype(dv)::value>(p, plan.config, tma, stream);
   });
 }
 
@@ -101,6 +105,8 @@ void prefill_prewarm(int device) {
   portable_kernel_prewarm<64, 64>(limit);
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, prefill_schedule_kernel<kScheduleThreads>), "schedule kernel");
+  if (device_attribute(device, cudaDevAttrComputeCapabilityMajor, "prefill") >= 9)
+    encode_tiled("ragged_prefill");  // resolved outside graph capture
 }
 
 }  // namespace hmoe

@@ -1,6 +1,7 @@
 // The portable family's tile configurations for prefill, shared by its plan (prefill_portable.cu)
 // and the per-head-dims kernel files (prefill_portable_d<Dqk>.cu) that instantiate them.
 #pragma once
+#include <cuda.h>  // CUtensorMap (the type only)
 #include <cuda_runtime.h>
 
 #include "hmoe/prefill.h"
@@ -26,15 +27,28 @@ constexpr int portable_tile_q(const PortableConfig& c) { return 32 * c.warps; }
 // The q tiles of a request counted from its end (q_tile): every row of a CTA walks the keys its
 // last row sees, so a partial tile at the request's end would cost as much as the heaviest.
 constexpr QOrder kPortableQOrder = QOrder::kFromEnd;
+// The kernel's shared memory (Config in prefill_kernel.cuh): Q, the K buffers, two V buffers, an
+// mbarrier a buffer (the TMA's), and kPortableAlign bytes of slack to align them on the 128-byte
+// swizzle's period (the dynamic window's own alignment is not promised).
+constexpr int kPortableAlign = 1024;
 constexpr int portable_smem(const PortableConfig& c) {
-  return portable_tile_q(c) * 2 * c.dqk + c.kstages * c.bn * 2 * c.dqk + 2 * c.bn * 2 * c.dv;
+  return portable_tile_q(c) * 2 * c.dqk + c.kstages * c.bn * 2 * c.dqk + 2 * c.bn * 2 * c.dv + 8 * (c.kstages + 2) +
+         kPortableAlign;
 }
 
+// The TMA's views of a ragged call's k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] (the kernel's
+// second argument): 64-column blocks in the 128-byte swizzle, a box a tile's rows and a head's
+// blocks (tensor_map_blocks). Built on sm_90 and newer for ragged calls only.
+struct PortableMaps {
+  CUtensorMap k, v;
+};
+
 // Defined in prefill_portable_d<DQK>.cu: the attention kernel of configuration `config` (an index
-// into kPortableConfigs with these head dims) on p (after the schedule), and the shared-memory
-// attributes of every kernel of these head dims that fits `smem_limit`.
+// into kPortableConfigs with these head dims) on p (after the schedule), its ragged keys through
+// the TMA when `tma` (sm_90 and newer), and the shared-memory attributes of every kernel of these
+// head dims that fits `smem_limit`.
 template <int DQK, int DV>
-void portable_kernel_launch(const PrefillParams& p, int config, cudaStream_t stream);
+void portable_kernel_launch(const PrefillParams& p, int config, bool tma, cudaStream_t stream);
 template <int DQK, int DV>
 void portable_kernel_prewarm(int smem_limit);
 

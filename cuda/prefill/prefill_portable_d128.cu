@@ -4,7 +4,7 @@
 namespace hmoe {
 namespace prefill {
 
-template void portable_kernel_launch<128, 128>(const PrefillParams&, int, cudaStream_t);
+template void portable_kernel_launch<128, 128>(const PrefillParams&, int, bool, cudaStream_t);
 template void portable_kernel_prewarm<128, 128>(int);
 
 }  // namespace prefill

@@ -5,7 +5,7 @@
 namespace hmoe {
 namespace prefill {
 
-template void portable_kernel_launch<192, 128>(const PrefillParams&, int, cudaStream_t);
+template void portable_kernel_launch<192, 128>(const PrefillParams&, int, bool, cudaStream_t);
 template void portable_kernel_prewarm<192, 128>(int);
 
 }  // namespace prefill

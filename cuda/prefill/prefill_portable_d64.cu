@@ -4,7 +4,7 @@
 namespace hmoe {
 namespace prefill {
 
-template void portable_kernel_launch<64, 64>(const PrefillParams&, int, cudaStream_t);
+template void portable_kernel_launch<64, 64>(const PrefillParams&, int, bool, cudaStream_t);
 template void portable_kernel_prewarm<64, 64>(int);
 
 }  // namespace prefill

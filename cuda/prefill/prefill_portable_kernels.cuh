@@ -12,6 +12,7 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.h"
+#include "common/tma_host.h"
 #include "prefill/prefill_kernel.cuh"
 #include "prefill/prefill_portable.h"
 
@@ -38,33 +39,53 @@ void for_config(int c, F&& f) {  // c < 0: every configuration of these head dim
   visit<DQK, DV>(c, f, std::make_integer_sequence<int, kNumPortableConfigs>{});
 }
 
-// f(kernel) for each dtype and KV source (with_kernel: the one p asks for).
-template <typename C, typename F>
-void each_kernel(F&& f) {
-  f(prefill_kernel<__nv_bfloat16, C, RaggedRows>);
-  f(prefill_kernel<__nv_bfloat16, C, PagedRows>);
-  f(prefill_kernel<__half, C, RaggedRows>);
-  f(prefill_kernel<__half, C, PagedRows>);
+// f(kernel) for each dtype and KV source (with_kernel: the one p asks for; ragged keys through the
+// TMA when `tma`).
+template <typename T, typename C, typename F>
+void each_source(F&& f) {
+  f(prefill_kernel<T, C, RaggedRows>);
+  f(prefill_kernel<T, C, RaggedTma>);
+  f(prefill_kernel<T, C, PagedRows>);
 }
 template <typename C, typename F>
-void with_kernel(const PrefillParams& p, F&& f) {
-  const bool ragged = p.kv == kPrefillRagged;
-  if (p.dtype == kBF16)
-    ragged ? f(prefill_kernel<__nv_bfloat16, C, RaggedRows>) : f(prefill_kernel<__nv_bfloat16, C, PagedRows>);
+void each_kernel(F&& f) {
+  each_source<__nv_bfloat16, C>(f);
+  each_source<__half, C>(f);
+}
+template <typename T, typename C, typename F>
+void with_source(const PrefillParams& p, bool tma, F&& f) {
+  if (p.kv != kPrefillRagged)
+    f(prefill_kernel<T, C, PagedRows>);
+  else if (tma)
+    f(prefill_kernel<T, C, RaggedTma>);
   else
-    ragged ? f(prefill_kernel<__half, C, RaggedRows>) : f(prefill_kernel<__half, C, PagedRows>);
+    f(prefill_kernel<T, C, RaggedRows>);
+}
+template <typename C, typename F>
+void with_kernel(const PrefillParams& p, bool tma, F&& f) {
+  if (p.dtype == kBF16)
+    with_source<__nv_bfloat16, C>(p, tma, f);
+  else
+    with_source<__half, C>(p, tma, f);
 }
 
 }  // namespace portable_detail
 
 template <int DQK, int DV>
-void portable_kernel_launch(const PrefillParams& p, int config, cudaStream_t stream) {
+void portable_kernel_launch(const PrefillParams& p, int config, bool tma, cudaStream_t stream) {
   using namespace portable_detail;
   bool launched = false;
   for_config<DQK, DV>(config, [&](auto cfg) {
     using C = decltype(cfg);
     const dim3 grid(unsigned(int64_t(p.max_items) * p.heads));
-    with_kernel<C>(p, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p); });
+    PortableMaps maps{};
+    if (tma) {  // see PortableMaps; a tile's rows, a head's blocks
+      const auto sw = CU_TENSOR_MAP_SWIZZLE_128B;
+      maps.k =
+          tensor_map_blocks(p.k, p.total_kv, int64_t(p.kv_heads) * DQK, 64, C::kBN, sw, "ragged_prefill", DQK / 64);
+      maps.v = tensor_map_blocks(p.v, p.total_kv, int64_t(p.kv_heads) * DV, 64, C::kBN, sw, "ragged_prefill", DV / 64);
+    }
+    with_kernel<C>(p, tma, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, maps); });
     launched = true;
   });
   if (!launched) throw std::invalid_argument("prefill: configuration " + std::to_string(config) + " is not built");
