@@ -200,8 +200,9 @@ def test_keys_of_other_requests_are_never_read(causal, variant):
 
 @pytest.mark.gpu
 def test_tensors_taking_turns_in_one_storage(variant):
-    # The sm90a kernel's tensor maps are kept per thread for a tensor at the same address with the
-    # same shape and box (cuda/common/tma_host.h): q, k and v here take turns in one storage with
+    # The TMA's tensor maps (the sm90a kernel's, and the portable kernel's on sm_90 and newer) are
+    # kept per thread for a tensor at the same address with the same shape and box
+    # (cuda/common/tma_host.h): q, k and v here take turns in one storage with
     # other head counts, head dims and row counts, twice over, each call against the references.
     cases = [([65, 0, 200], [65, 10, 260], 8, 2, (192, 128)), ([65, 0, 200], [65, 10, 260], 8, 8, (192, 128)),
              ([300, 7], [300, 7], 4, 4, (128, 128)), ([1, 129], [130, 129], 8, 2, (64, 64))]
