@@ -101,7 +101,8 @@ inline CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, i
 inline CUtensorMap tensor_map_blocks(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows,
                                      CUtensorMapSwizzle swizzle, const char* op, int box_blocks = 0) {
   if (box_cols <= 0 || cols % box_cols != 0 || box_blocks < 0 || box_blocks > cols / box_cols)
-    throw std::invalid_argument(std::string(op) + ": a blocked tensor map's width must be a multiple of its box's");
+    throw std::invalid_argument(std::string(op) + ": a blocked tensor map's width must be a multiple of its box's" +
+                                " columns, and a box at most the width's blocks");
   return cached_tensor_map(
       {base, rows, cols, box_cols, box_rows, int(swizzle), box_blocks ? box_blocks : int(cols / box_cols)}, op);
 }
