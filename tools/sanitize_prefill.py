@@ -1,7 +1,7 @@
 """A few hmoe.ops.ragged_prefill calls (and, for the portable family, paged_prefill) of one variant,
 small enough to run under compute-sanitizer: a ragged batch with empty requests, one key, partial
 tiles and more queries' keys than one tile, fewer queries than keys, causal and not, GQA, every
-head-dim pair, bf16 and fp16, lse. Every output is checked for NaN/inf (a sanitizer run checks the
+head-dim pair, bf16 and fp16, lse; paged_prefill at page sizes 16 and 64 with a bad page id. Every output is checked for NaN/inf (a sanitizer run checks the
 memory accesses; tests/ops/test_ragged_prefill.py and test_paged_prefill.py check the values).
 
     compute-sanitizer --tool racecheck python3 tools/sanitize_prefill.py sm90a
@@ -18,6 +18,9 @@ from hmoe.ops import paged_prefill, ragged_prefill
 # (query lengths, key lengths) per request: empty requests, a single key, partial and whole tiles
 LENGTHS = (([0, 1, 7, 130, 0, 200], [0, 1, 7, 130, 5, 333]), ([257], [257]))
 DIMS = ((192, 128), (128, 128), (64, 64))
+# paged_prefill's page sizes: a tile across pages (cp.async) and pages of whole 64-key tiles (the TMA on
+# sm_90 and newer)
+PAGES = (16, 64)
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
@@ -42,19 +45,20 @@ def main(variant: str) -> int:
                       f"{'ok' if finite else 'NOT FINITE'}")
                 if variant != "portable":  # paged_prefill is the portable family's only
                     continue
-                page = 16
-                max_pages = (max(lk) + page - 1) // page + 1
-                pages = len(lk) * max_pages + 2
-                k_cache = torch.randn(pages, page, kv_heads, dqk, device="cuda", dtype=dtype)
-                v_cache = torch.randn(pages, page, kv_heads, dv, device="cuda", dtype=dtype)
-                table = torch.randperm(pages, device="cuda", dtype=torch.int32)[: len(lk) * max_pages]
-                kv_lens = torch.tensor(lk, device="cuda", dtype=torch.int32)
-                out = paged_prefill(q, k_cache, v_cache, table.view(len(lk), max_pages), kv_lens, _indptr(lq),
-                                    causal=causal, sm_scale=dqk**-0.5, variant=variant)
-                torch.cuda.synchronize()
-                finite = bool(torch.isfinite(out).all())
-                bad += not finite
-                print(f"{variant} paged {dtype} {dqk}x{dv} page={page}: {'ok' if finite else 'NOT FINITE'}")
+                for page in PAGES:
+                    max_pages = (max(lk) + page - 1) // page + 1
+                    pages = len(lk) * max_pages + 2
+                    k_cache = torch.randn(pages, page, kv_heads, dqk, device="cuda", dtype=dtype)
+                    v_cache = torch.randn(pages, page, kv_heads, dv, device="cuda", dtype=dtype)
+                    table = torch.randperm(pages, device="cuda", dtype=torch.int32)[: len(lk) * max_pages]
+                    table[1] = pages + 5  # a bad page id in a used entry (request 0's second page): zeros
+                    kv_lens = torch.tensor(lk, device="cuda", dtype=torch.int32)
+                    out = paged_prefill(q, k_cache, v_cache, table.view(len(lk), max_pages), kv_lens, _indptr(lq),
+                                        causal=causal, sm_scale=dqk**-0.5, variant=variant)
+                    torch.cuda.synchronize()
+                    finite = bool(torch.isfinite(out).all())
+                    bad += not finite
+                    print(f"{variant} paged {dtype} {dqk}x{dv} page={page}: {'ok' if finite else 'NOT FINITE'}")
     return 1 if bad else 0
 
 

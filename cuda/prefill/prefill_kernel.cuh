@@ -4,9 +4,10 @@
 //
 // One CTA = one q tile (32 rows a warp, 4 or 8 warps; one request, one head). Q stays in
 // shared memory (it is re-read for every key tile: registers hold O and S), keys and values come
-// in tiles of kBN rows through cp.async, or on sm_90 and newer, for ragged keys, through the TMA
-// (one 3-d box a matrix, issued by one lane, completing on an mbarrier) wherever the tile lies
-// whole inside the request (RaggedTma; its last, partial tile takes cp.async). Per tile:
+// in tiles of kBN rows through cp.async, or on sm_90 and newer through the TMA (one 3-d box a
+// matrix, issued by one lane, completing on an mbarrier) wherever the tile lies whole inside the
+// request (RaggedTma; PagedTma where pages hold whole tiles; a request's last, partial tile takes
+// cp.async). Per tile:
 //   S = Q K^T    each warp its 32 rows x kBN keys, fp32 accumulators (K fragments feed 2 mma)
 //   softmax      online, log2 domain, attention/softmax.cuh's rules (lazy max, skipped rescale);
 //                the mask only on tiles that cross the causal diagonal or the sequence's end
@@ -83,7 +84,9 @@ struct RaggedRows {
   static constexpr bool kTma = false;
   int kv0, lk;
   __device__ __forceinline__ RaggedRows(const PrefillParams&, int, const Request& r) : kv0(r.kv0), lk(r.lk) {}
-  __device__ __forceinline__ int row(int j) const { return j < lk ? kv0 + j : -1; }
+  __device__ __forceinline__ int row(const PrefillParams&, int j) const { return j < lk ? kv0 + j : -1; }
+  // The row of key j, the first of a tile the TMA copies (j + kBN <= lk: the tile's rows follow it).
+  __device__ __forceinline__ int first_row(const PrefillParams&, int j, int) const { return kv0 + j; }
 };
 
 // The same keys, with the tiles that lie whole inside the request copied by the TMA on sm_90 and
@@ -100,7 +103,28 @@ struct PagedRows {
   __device__ __forceinline__ PagedRows(const PrefillParams& p, int b, const Request& r)
       : pages{p.page_table + int64_t(b) * p.max_pages, r.lk, p.page_size, p.num_pages, attn::PageDivisor(p.page_size)} {
   }
-  __device__ __forceinline__ int row(int j) const { return pages.row(j); }
+  __device__ __forceinline__ int row(const PrefillParams&, int j) const { return pages.row(j); }
+};
+
+// The same keys for page sizes that are multiples of the tile, the tiles that lie whole inside the
+// request copied by the TMA (as RaggedTma). It keeps only the request and its length: the page
+// lookup's fields come from the params at each use (holding them across the loop, as PagedRows
+// does, made ptxas spill 184 bytes at 192 x 128), the page-table entry from L1 (a line holds 32
+// tiles' entries).
+struct PagedTma {
+  static constexpr bool kTma = true;
+  int b, lk;
+  __device__ __forceinline__ PagedTma(const PrefillParams&, int b_, const Request& r) : b(b_), lk(r.lk) {}
+  __device__ __forceinline__ int row(const PrefillParams& p, int j) const {  // the cp.async tiles
+    if (j >= lk) return -1;
+    const int pg = j / p.page_size;
+    return attn::cache_row(p.page_table[int64_t(b) * p.max_pages + pg], j - pg * p.page_size, p.page_size, p.num_pages);
+  }
+  // A bad page id gives a box of bn rows before the tensor, which the TMA fills with zeros.
+  __device__ __forceinline__ int first_row(const PrefillParams& p, int j, int bn) const {
+    const int row = this->row(p, j);
+    return row < 0 ? -bn : row;
+  }
 };
 
 // Copies ROWS rows of D 16-bit elements into a swizzled tile at `dst` (swz<kRow, kLine>): row r of
@@ -175,7 +199,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // every tile before a TMA tile is one too, so its parity is the buffer's use count mod 2.
   auto by_tma = [&](int t) {
     if constexpr (kTma)
-      return t < n_tiles && (t + 1) * BN <= kv.lk;
+      return t < n_tiles && (t + 1) * BN <= r.lk;
     else
       return false;
   };
@@ -184,12 +208,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // Tile t of K or V into `dst`; a tile past the last (t == n_tiles) is zeros and reads nothing, so
   // that the next tile's copies need no branch (see the tile loop). The bases are rebuilt from the
   // params (constant memory) at each use: registers are scarce next to O and S.
-  auto tile_rows = [&](int t) { return [&, t](int i) { return t < n_tiles ? kv.row(t * BN + i) : -1; }; };
+  auto tile_rows = [&](int t) { return [&, t](int i) { return t < n_tiles ? kv.row(p, t * BN + i) : -1; }; };
   auto load_k = [&](int t, uint32_t dst) {
     if constexpr (kTma) {
       if (by_tma(t)) {  // warp 0's elected lane: rows kv0 + t BN on, the head's DQK / 64 blocks
         if (warp == 0)
-          attn::sm90::tma_load_3d_elected(dst, &maps.k, 0, kv.kv0 + t * BN, kvh * (DQK / 64), k_bar(t), BN * 2 * DQK);
+          attn::sm90::tma_load_3d_elected(dst, &maps.k, 0, kv.first_row(p, t * BN, BN), kvh * (DQK / 64), k_bar(t),
+                                          BN * 2 * DQK);
         return;
       }
     }
@@ -200,7 +225,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     if constexpr (kTma) {
       if (by_tma(t)) {
         if (warp == 0)
-          attn::sm90::tma_load_3d_elected(dst, &maps.v, 0, kv.kv0 + t * BN, kvh * (DV / 64), v_bar(t), BN * 2 * DV);
+          attn::sm90::tma_load_3d_elected(dst, &maps.v, 0, kv.first_row(p, t * BN, BN), kvh * (DV / 64), v_bar(t),
+                                          BN * 2 * DV);
         return;
       }
     }

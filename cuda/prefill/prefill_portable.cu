@@ -89,9 +89,9 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   PrefillParams p = p0;
   p.max_items = plan.max_items;
   launch_schedule(p, plan.tile_q, kPortableQOrder, stream, "prefill");
-  // Ragged keys through the TMA on sm_90 and newer (PortableMaps; none to map without keys).
-  const bool tma = p.kv == kPrefillRagged && p.total_kv > 0 &&
-                   device_attribute(device, cudaDevAttrComputeCapabilityMajor, "prefill") >= 9;
+  // Keys through the TMA on sm_90 and newer where the configuration's tiles allow (uses_tma,
+  // PortableMaps; none to map without keys).
+  const bool tma = p.total_kv > 0 && device_attribute(device, cudaDevAttrComputeCapabilityMajor, "prefill") >= 9;
   with_dims(p.head_dim_qk, p.head_dim_v, [&](auto dqk, auto dv) {
     portable_kernel_launch<decltype(dqk)::value, decltype(dv)::value>(p, plan.config, tma, stream);
   });

@@ -36,16 +36,17 @@ constexpr int portable_smem(const PortableConfig& c) {
          kPortableAlign;
 }
 
-// The TMA's views of a ragged call's k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] (the kernel's
-// second argument): 64-column blocks in the 128-byte swizzle, a box a tile's rows and a head's
-// blocks (tensor_map_blocks). Built on sm_90 and newer for ragged calls only.
+// The TMA's views of k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] (paged: the cache's P * page
+// rows), the kernel's second argument: 64-column blocks in the 128-byte swizzle, a box a tile's rows
+// and a head's blocks (tensor_map_blocks). Built on sm_90 and newer for ragged calls and for paged
+// calls whose page size is a multiple of the tile.
 struct PortableMaps {
   CUtensorMap k, v;
 };
 
 // Defined in prefill_portable_d<DQK>.cu: the attention kernel of configuration `config` (an index
-// into kPortableConfigs with these head dims) on p (after the schedule), its ragged keys through
-// the TMA when `tma` (sm_90 and newer), and the shared-memory attributes of every kernel of these
+// into kPortableConfigs with these head dims) on p (after the schedule), its keys through the TMA
+// where `tma` (sm_90 and newer) and the tiles allow, and the shared-memory attributes of every kernel of these
 // head dims that fits `smem_limit`.
 template <int DQK, int DV>
 void portable_kernel_launch(const PrefillParams& p, int config, bool tma, cudaStream_t stream);

@@ -39,13 +39,21 @@ void for_config(int c, F&& f) {  // c < 0: every configuration of these head dim
   visit<DQK, DV>(c, f, std::make_integer_sequence<int, kNumPortableConfigs>{});
 }
 
-// f(kernel) for each dtype and KV source (with_kernel: the one p asks for; ragged keys through the
-// TMA when `tma`).
+// Whether configuration C copies p's tiles with the TMA on a device that can (`tma`): ragged keys,
+// and paged keys whose pages hold whole tiles.
+template <typename C>
+bool uses_tma(const PrefillParams& p, bool tma) {
+  return tma && (p.kv == kPrefillRagged || p.page_size % C::kBN == 0);
+}
+
+// f(kernel) for each dtype and KV source (with_kernel: the one p asks for, uses_tma deciding the
+// loader).
 template <typename T, typename C, typename F>
 void each_source(F&& f) {
   f(prefill_kernel<T, C, RaggedRows>);
   f(prefill_kernel<T, C, RaggedTma>);
   f(prefill_kernel<T, C, PagedRows>);
+  f(prefill_kernel<T, C, PagedTma>);
 }
 template <typename C, typename F>
 void each_kernel(F&& f) {
@@ -54,12 +62,10 @@ void each_kernel(F&& f) {
 }
 template <typename T, typename C, typename F>
 void with_source(const PrefillParams& p, bool tma, F&& f) {
-  if (p.kv != kPrefillRagged)
-    f(prefill_kernel<T, C, PagedRows>);
-  else if (tma)
-    f(prefill_kernel<T, C, RaggedTma>);
+  if (p.kv == kPrefillRagged)
+    tma ? f(prefill_kernel<T, C, RaggedTma>) : f(prefill_kernel<T, C, RaggedRows>);
   else
-    f(prefill_kernel<T, C, RaggedRows>);
+    tma ? f(prefill_kernel<T, C, PagedTma>) : f(prefill_kernel<T, C, PagedRows>);
 }
 template <typename C, typename F>
 void with_kernel(const PrefillParams& p, bool tma, F&& f) {
@@ -78,14 +84,15 @@ void portable_kernel_launch(const PrefillParams& p, int config, bool tma, cudaSt
   for_config<DQK, DV>(config, [&](auto cfg) {
     using C = decltype(cfg);
     const dim3 grid(unsigned(int64_t(p.max_items) * p.heads));
+    const bool by_tma = uses_tma<C>(p, tma);
     PortableMaps maps{};
-    if (tma) {  // see PortableMaps; a tile's rows, a head's blocks
+    if (by_tma) {  // see PortableMaps; a tile's rows, a head's blocks (paged: the cache's P * page rows)
       const auto sw = CU_TENSOR_MAP_SWIZZLE_128B;
-      maps.k =
-          tensor_map_blocks(p.k, p.total_kv, int64_t(p.kv_heads) * DQK, 64, C::kBN, sw, "ragged_prefill", DQK / 64);
-      maps.v = tensor_map_blocks(p.v, p.total_kv, int64_t(p.kv_heads) * DV, 64, C::kBN, sw, "ragged_prefill", DV / 64);
+      const char* op = p.kv == kPrefillRagged ? "ragged_prefill" : "paged_prefill";
+      maps.k = tensor_map_blocks(p.k, p.total_kv, int64_t(p.kv_heads) * DQK, 64, C::kBN, sw, op, DQK / 64);
+      maps.v = tensor_map_blocks(p.v, p.total_kv, int64_t(p.kv_heads) * DV, 64, C::kBN, sw, op, DV / 64);
     }
-    with_kernel<C>(p, tma, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, maps); });
+    with_kernel<C>(p, by_tma, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, maps); });
     launched = true;
   });
   if (!launched) throw std::invalid_argument("prefill: configuration " + std::to_string(config) + " is not built");

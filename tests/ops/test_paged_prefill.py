@@ -148,9 +148,24 @@ def test_nan_in_unused_slots_bad_pages_and_lengths_do_not_leak():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
+def test_whole_tile_pages_with_bad_ids_and_nan(dims):
+    # Pages of 64 tokens hold whole 64-key tiles, which the TMA copies on sm_90 and newer (a bad page id
+    # a box before the cache: zeros), the partial last tile of a request by cp.async; unused slots hold
+    # NaN. A wild id in a whole tile's entry and a negative one in a partial tile's read zeros.
+    q, kc, vc, pt, lens, qo = make_paged([64, 1, 100, 0], [128, 64, 200, 70], 4, 2, dims, 64, torch.bfloat16, "cuda",
+                                         gen(8))
+    run_and_check(q, kc, vc, pt, lens, qo)
+    pt[0, 1], pt[2, 3] = 10 ** 6, -3
+    run_and_check(q, kc, vc, pt, lens, qo)
+    run_and_check(q, kc, vc, pt, lens, qo, causal=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
-def test_cuda_graph_replay_with_new_lengths_and_pages():
-    q, kc, vc, pt, lens, qo = make_paged([100, 156], [400, 600], 2, 1, (192, 128), 32, torch.bfloat16, "cuda",
+@pytest.mark.parametrize("page", [32, 64])
+def test_cuda_graph_replay_with_new_lengths_and_pages(page):
+    q, kc, vc, pt, lens, qo = make_paged([100, 156], [400, 600], 2, 1, (192, 128), page, torch.bfloat16, "cuda",
                                          gen(7))
     hmoe.prewarm()
     s = torch.cuda.Stream()
