@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/mbarrier.cuh"
 #include "attention/mma.cuh"
@@ -209,30 +210,23 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // that the next tile's copies need no branch (see the tile loop). The bases are rebuilt from the
   // params (constant memory) at each use: registers are scarce next to O and S.
   auto tile_rows = [&](int t) { return [&, t](int i) { return t < n_tiles ? kv.row(p, t * BN + i) : -1; }; };
-  auto load_k = [&](int t, uint32_t dst) {
-    if constexpr (kTma) {
-      if (by_tma(t)) {  // warp 0's elected lane: rows kv0 + t BN on, the head's DQK / 64 blocks
-        if (warp == 0)
-          attn::sm90::tma_load_3d_elected(dst, &maps.k, 0, kv.first_row(p, t * BN, BN), kvh * (DQK / 64), k_bar(t),
-                                          BN * 2 * DQK);
-        return;
-      }
-    }
-    const char* kg = static_cast<const char*>(p.k) + int64_t(kvh) * DQK * 2;
-    copy_rows<DQK, BN, NT, 128, C::kBlock>(dst, kg, p.kv_heads * DQK * 2, tile_rows(t));
-  };
-  auto load_v = [&](int t, uint32_t dst) {
+  // One matrix of tile t (d: its columns, the head's d / 64 blocks; base: k or v) into `dst`: warp
+  // 0's elected lane issues the TMA's box, on its buffer's mbarrier bar(t), where it may; every
+  // thread its cp.async rows else.
+  auto load = [&](auto d, int t, uint32_t dst, const CUtensorMap* map, const void* base, auto bar) {
+    constexpr int D = decltype(d)::value;
     if constexpr (kTma) {
       if (by_tma(t)) {
         if (warp == 0)
-          attn::sm90::tma_load_3d_elected(dst, &maps.v, 0, kv.first_row(p, t * BN, BN), kvh * (DV / 64), v_bar(t),
-                                          BN * 2 * DV);
+          attn::sm90::tma_load_3d_elected(dst, map, 0, kv.first_row(p, t * BN, BN), kvh * (D / 64), bar(t), BN * 2 * D);
         return;
       }
     }
-    const char* vg = static_cast<const char*>(p.v) + int64_t(kvh) * DV * 2;
-    copy_rows<DV, BN, NT, 128, C::kBlock>(dst, vg, p.kv_heads * DV * 2, tile_rows(t));
+    const char* g = static_cast<const char*>(base) + int64_t(kvh) * D * 2;
+    copy_rows<D, BN, NT, 128, C::kBlock>(dst, g, p.kv_heads * D * 2, tile_rows(t));
   };
+  auto load_k = [&](int t, uint32_t dst) { load(std::integral_constant<int, DQK>{}, t, dst, &maps.k, p.k, k_bar); };
+  auto load_v = [&](int t, uint32_t dst) { load(std::integral_constant<int, DV>{}, t, dst, &maps.v, p.v, v_bar); };
   const char* qg = static_cast<const char*>(p.q) + (int64_t(r.q0 + q_first) * p.heads + h) * DQK * 2;
   copy_rows<DQK, BM, NT, C::kQRow, 128>(q_s, qg, p.heads * DQK * 2, [&](int i) { return i < q_rows ? i : -1; });
   if constexpr (kTma) {
