@@ -28,9 +28,20 @@ def test_parse_args_defaults_and_cases():
     assert (opts.dtype, opts.config, opts.json) == ("fp16", 1, "x.json")
 
 
+def test_parse_args_paged_and_chunked():
+    opts = bench.parse_args(["--kv", "paged", "--page-size", "16", "--queries", "1024", "--dims", "192x128"], "prog")
+    assert opts.op == "paged_prefill" and [(c.kv, c.page, c.queries) for c in opts.cases] == [("paged", 16, 1024)] * 2
+    c = opts.cases[0]
+    assert c.label == "4x4096 192x128 H128/128 paged16 q1024" and c.q_lens == [1024] * 4 and c.lens == [4096] * 4
+    assert bench.parse_args(["--queries", "3000", "--shapes", "mix16k"], "prog").cases[0].q_lens == \
+        [3000, 3000, 2600, 2000, 1500, 1000, 700, 400, 184]
+    assert bench.parse_args([], "prog").op == "ragged_prefill"
+
+
 @pytest.mark.parametrize("argv", [["--shapes", "4x"], ["--shapes", "0x10"], ["--shapes", "a"], ["--shapes", ","],
                                   ["--dims", "96x96"], ["--dims", "192"], ["--heads", "6", "--kv-heads", "4"],
-                                  ["--dtype", "fp32"], ["--repeats", "0"],
+                                  ["--dtype", "fp32"], ["--repeats", "0"], ["--kv", "blocked"],
+                                  ["--kv", "paged", "--page-size", "0"], ["--queries", "0"],
                                   ["--json", "/nonexistent/dir/x.json"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -48,6 +59,28 @@ def test_causal_flop_count():
     pairs = sum(int(_reference._visible(L, L, True, "cpu").sum()) for L in small.lens)
     assert bench.flops(small) == 2 * pairs * 2 * 128
     assert bench.bytes_moved(small) == 2 * 9 * (2 * 64 + 1 * 128 + 2 * 64)
+
+
+def test_flop_count_of_chunks():
+    # the last lq tokens of each request as queries: count the mask's pairs
+    c = bench.Case("y", [7, 3, 12], 64, 64, 2, 1, True, "paged", 4, 5)
+    assert c.q_lens == [5, 3, 5]
+    pairs = sum(int(_reference._visible(lq, lk, True, "cpu").sum()) for lq, lk in zip(c.q_lens, c.lens))
+    assert bench.flops(c) == 2 * pairs * 2 * 128
+    assert bench.flops(c._replace(causal=False)) == 2 * (5 * 7 + 3 * 3 + 5 * 12) * 2 * 128
+    assert bench.bytes_moved(c) == 2 * (13 * 2 * 128 + 22 * 1 * 128)
+
+
+def test_paged_inputs_hold_the_ragged_keys():
+    c = bench.Case("y", [30, 1, 50, 16], 64, 64, 4, 2, True, "paged", 16, 20)
+    inp = bench.make_inputs(c, torch.bfloat16, torch.device("cpu"), seed=1)
+    assert inp.q.shape == (20 + 1 + 20 + 16, 4, 64) and inp.qo_indptr.tolist() == [0, 20, 21, 41, 57]
+    assert inp.k_cache.shape == (2 + 1 + 4 + 1, 16, 2, 64) and inp.page_table.shape == (4, 4)
+    assert sorted(inp.page_table[inp.page_table.new_tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1],
+                                                            [1, 0, 0, 0]]).bool()].tolist()) == list(range(8))
+    assert inp.page_table[:, 0].tolist() != [0, 2, 3, 7]  # shuffled, not in order (seed 1)
+    k, v, indptr = _reference.paged_as_ragged(inp.k_cache, inp.v_cache, inp.page_table, inp.kv_lens)
+    assert torch.equal(k, inp.k) and torch.equal(v, inp.v) and torch.equal(indptr, inp.kv_indptr)
 
 
 def test_inputs_and_reference():
@@ -87,7 +120,36 @@ class FakeWrapper:
         return out
 
 
-def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,), calls=None):
+class FakePagedWrapper(FakeWrapper):
+    """flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper's documented semantics on the CPU: a
+    CSR page list (kv_indptr in pages, kv_indices, last_page_len) over NHD pages."""
+
+    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
+                 paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, backend="auto"):
+        assert not use_cuda_graph or None not in (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf,
+                                                  paged_kv_last_page_len_buf)
+        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf, backend)
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
+             head_dim_vo=None, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None):
+        # the keys' indptr is set by run, from the pages
+        super().plan(qo_indptr, qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal, sm_scale)
+        self.pages = (kv_indptr.tolist(), kv_indices.tolist(), last_page_len.tolist(), page_size)
+
+    def run(self, q, kv_cache, out=None):
+        indptr, indices, last, page = self.pages
+        ks, vs, lens = [], [], []
+        for b in range(len(last)):
+            ids = indices[indptr[b]:indptr[b + 1]]
+            L = (len(ids) - 1) * page + last[b] if ids else 0
+            ks.append(kv_cache[0][ids].flatten(0, 1)[:L])
+            vs.append(kv_cache[1][ids].flatten(0, 1)[:L])
+            lens.append(L)
+        self.p.kv = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+        return super().run(q, torch.cat(ks), torch.cat(vs), out=out)
+
+
+def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,), calls=None, case=None):
     """The rows of one case run with fakes: hmoe's output from hmoe_out(inp, c) (hmoe 10 us, or
     8 us for a variant named 'fast'), flashinfer's from the fake wrapper (fa2 15 us, fa3 12 us)."""
 
@@ -99,10 +161,11 @@ def fake_run(monkeypatch, hmoe_out, fi_skip=None, variants=(None,), calls=None):
     monkeypatch.setattr(bench, "hmoe_plan", lambda *a: "a plan")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
-    fi = types.SimpleNamespace(prefill=types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=FakeWrapper))
+    fi = types.SimpleNamespace(prefill=types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=FakeWrapper,
+                                                             BatchPrefillWithPagedKVCacheWrapper=FakePagedWrapper))
     o = types.SimpleNamespace(dtype="bf16", device=torch.device("cpu"), seed=3, eager=False, variants=list(variants),
                               repeats=7, rounds=3, warmup=0, warmup_ms=0)
-    c = bench.Case("t", [20, 0, 33], 64, 64, 3, 1, True)
+    c = case or bench.Case("t", [20, 0, 33], 64, 64, 3, 1, True)
     rows = bench.run_case(c, o, fi, fi_skip or {}, 800.0, None, lambda m: None)
     return rows if len(variants) > 1 else rows[0]
 
@@ -125,6 +188,19 @@ def test_run_case_checks_against_reference_and_flashinfer(monkeypatch):
     assert row["flashinfer"]["fa2"]["speedup"] == 1.5 and row["flashinfer"]["fa3"]["speedup"] == 1.2
     line = bench.format_row(row)
     assert line.startswith("t 64x64 H3/1") and "1.50x" in line and "1.20x" in line and " ok ref " in line
+
+
+@pytest.mark.parametrize("queries", [None, 9])
+def test_paged_case_checks_against_reference_and_flashinfer(monkeypatch, queries):
+    case = bench.Case("t", [20, 1, 33], 64, 64, 3, 1, True, "paged", 8, queries)
+    row = fake_run(monkeypatch, right, case=case)
+    assert not row["failed"], row["checks"]
+    assert {ch["what"] for ch in row["checks"]} == {"hmoe vs ref", "fa2 vs ref", "fa3 vs ref", "hmoe vs fa2",
+                                                    "hmoe vs fa3"}
+    assert bench.format_row(row).startswith("t 64x64 H3/1 paged8" + (" q9" if queries else ""))
+    # the keys one page further on (an off-by-a-page walk) fail against the reference
+    shifted = lambda inp, c: right(types.SimpleNamespace(**dict(vars(inp), k=inp.k.roll(8, 0))), c)  # noqa: E731
+    assert fake_run(monkeypatch, shifted, case=case)["failed"]
 
 
 def test_every_variant_is_a_row_beside_one_flashinfer_timing(monkeypatch):
@@ -205,4 +281,24 @@ def test_tiny_end_to_end(tmp_path, capsys, mode):
         assert r["hmoe"]["x_floor"] > 1 and any(c["what"] == "hmoe vs ref" and c["ok"] for c in r["checks"])
         for backend, res in r["flashinfer"].items():
             assert "us" not in res or any(c["what"] == f"{backend} vs ref" and c["ok"] for c in r["checks"]), r
-    assert "all hmoe outputs check out" in out and "hmoe variants: " in out and "portable (" in out
+    assert "all hmoe outputs check out" in out and "hmoe.ops.ragged_prefill (ragged k/v; queries: every token) " \
+        "variants: " in out and "portable (" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_tiny_paged_end_to_end(tmp_path, capsys, page):
+    path = tmp_path / "prefill.json"
+    rc = bench.main(["--kv", "paged", "--page-size", str(page), "--queries", "100", "--shapes", "300+77,2x128",
+                     "--dims", "192x128", "--heads", "4", "--kv-heads", "2", "--repeats", "3", "--warmup", "1",
+                     "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    data = json.loads(path.read_text())
+    assert data["failures"] == 0 and data["meta"]["op"] == "paged_prefill" and data["meta"]["page_size"] == page
+    assert [r["variant"] for r in data["results"]] == ["portable", "portable"]
+    for r in data["results"]:
+        assert r["hmoe"]["us"] > 0 and any(c["what"] == "hmoe vs ref" and c["ok"] for c in r["checks"])
+        for backend, res in r["flashinfer"].items():
+            assert "us" not in res or any(c["what"] == f"{backend} vs ref" and c["ok"] for c in r["checks"]), r
+    assert f"paged cache, page size {page}, shuffled pages; queries: each request's last 100 tokens" in out

@@ -1,4 +1,5 @@
-# `python -m hmoe.bench prefill`: hmoe.ops.ragged_prefill vs flashinfer's ragged prefill (fa2, fa3), against the matmul floor.
+# `python -m hmoe.bench prefill`: hmoe.ops.ragged_prefill (or paged_prefill, --kv paged) vs flashinfer's ragged
+# (paged) prefill (fa2, fa3), against the matmul floor.
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,17 @@ TOLERANCE = {"bf16": _reference.tolerance("prefill", "bfloat16"), "fp16": _refer
 BACKENDS = ("fa2", "fa3")
 
 
-class Case(collections.namedtuple("Case", "name lens dqk dv H Hkv causal")):
-    """One table row: requests of `lens` tokens (queries = keys), head dims, heads, mask."""
-    label = property(lambda c: f"{c.name} {c.dqk}x{c.dv} H{c.H}/{c.Hkv}" + ("" if c.causal else " full"))
+class Case(collections.namedtuple("Case", "name lens dqk dv H Hkv causal kv page queries",
+                                   defaults=("ragged", 64, None))):
+    """One table row: requests of `lens` keys, head dims, heads, mask; the keys ragged (k, v) or in a
+    paged cache of `page`-token pages (kv "paged"); each request's queries its last `queries` tokens
+    (None: all of them, a whole prompt's prefill; else a chunk after a cached prefix)."""
+    label = property(lambda c: f"{c.name} {c.dqk}x{c.dv} H{c.H}/{c.Hkv}" + ("" if c.causal else " full")
+                     + (f" paged{c.page}" if c.kv == "paged" else "") + (f" q{c.queries}" if c.queries else ""))
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [L if self.queries is None else min(self.queries, L) for L in self.lens]
 
 
 def parse_lens(item: str) -> list[int]:
@@ -57,27 +66,52 @@ def parse_dims(text: str) -> list[tuple[int, int]]:
 
 
 def flops(c: Case) -> int:
-    """2 per multiply-add of Q K^T (Dqk) and P V (Dv) over the (query, key) pairs the mask keeps:
-    L (L + 1) / 2 a causal request of L tokens, L^2 a full one."""
-    pairs = sum(L * (L + 1) // 2 if c.causal else L * L for L in c.lens)
+    """2 per multiply-add of Q K^T (Dqk) and P V (Dv) over the (query, key) pairs the mask keeps: a
+    causal request of lk keys and its last lq tokens as queries has lq (lk - lq) + lq (lq + 1) / 2
+    (L (L + 1) / 2 for a whole prompt), a full one lq lk."""
+    pairs = sum(lq * (lk - lq) + lq * (lq + 1) // 2 if c.causal else lq * lk for lq, lk in zip(c.q_lens, c.lens))
     return 2 * pairs * c.H * (c.dqk + c.dv)
 
 
 def bytes_moved(c: Case, elt: int = 2) -> int:
-    """q, k and v read once, out written once."""
-    T = sum(c.lens)
-    return elt * T * (c.H * c.dqk + c.Hkv * (c.dqk + c.dv) + c.H * c.dv)
+    """q, k and v read once, out written once (a paged cache's unused page tails left out)."""
+    return elt * (sum(c.q_lens) * c.H * (c.dqk + c.dv) + sum(c.lens) * c.Hkv * (c.dqk + c.dv))
+
+
+def _indptr(lens, device):
+    import torch
+
+    return torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=device)
 
 
 def make_inputs(c: Case, dtype, device, seed: int):
+    """Random q, k, v and the index arrays; for kv "paged" also the same keys in a paged cache whose
+    pages are a random permutation of all of them (as a serving engine's allocator leaves them):
+    k_cache, v_cache [P, page, Hkv, D], page_table [B, max pages] (unused entries 0), kv_lens."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
-    T = sum(c.lens)
     rnd = lambda *size: torch.randn(size, generator=g, device=device, dtype=dtype)  # noqa: E731
-    ind = torch.tensor([0] + [sum(c.lens[:i + 1]) for i in range(len(c.lens))], dtype=torch.int32, device=device)
-    return types.SimpleNamespace(q=rnd(T, c.H, c.dqk), k=rnd(T, c.Hkv, c.dqk), v=rnd(T, c.Hkv, c.dv), qo_indptr=ind,
-                                 kv_indptr=ind.clone())
+    Tq, Tk = sum(c.q_lens), sum(c.lens)
+    inp = types.SimpleNamespace(q=rnd(Tq, c.H, c.dqk), k=rnd(Tk, c.Hkv, c.dqk), v=rnd(Tk, c.Hkv, c.dv),
+                                qo_indptr=_indptr(c.q_lens, device), kv_indptr=_indptr(c.lens, device))
+    if c.kv == "paged":
+        n_pages = [-(-L // c.page) for L in c.lens]
+        perm = torch.randperm(sum(n_pages), generator=torch.Generator().manual_seed(seed + 1)).to(device)
+        inp.page_table = torch.zeros(len(c.lens), max(n_pages), dtype=torch.int32, device=device)
+        inp.k_cache = inp.k.new_zeros(sum(n_pages), c.page, c.Hkv, c.dqk)
+        inp.v_cache = inp.v.new_zeros(sum(n_pages), c.page, c.Hkv, c.dv)
+        first = 0
+        for b, (L, n) in enumerate(zip(c.lens, n_pages)):
+            pages, k0 = perm[first:first + n], int(inp.kv_indptr[b])
+            inp.page_table[b, :n] = pages.to(torch.int32)
+            for src, cache in ((inp.k, inp.k_cache), (inp.v, inp.v_cache)):
+                padded = src.new_zeros(n * c.page, *src.shape[1:])
+                padded[:L] = src[k0:k0 + L]
+                cache[pages] = padded.view(n, c.page, *src.shape[1:])
+            first += n
+        inp.kv_lens = torch.tensor(c.lens, dtype=torch.int32, device=device)
+    return inp
 
 
 def check_heads(H: int) -> list[int]:
@@ -87,7 +121,8 @@ def check_heads(H: int) -> list[int]:
 
 
 def reference(inp, c: Case, heads):
-    """out [T, len(heads), Dv] (fp64) of the given heads: hmoe._reference.prefill, on the GPU."""
+    """out [T, len(heads), Dv] (fp64) of the given heads: hmoe._reference.prefill, on the GPU (a paged
+    case's cache holds the ragged k and v)."""
     return _reference.prefill(inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr, c.dqk ** -0.5, c.causal,
                               heads=heads)[0]
 
@@ -104,8 +139,13 @@ def hmoe_runner(inp, c: Case, variant):
     import hmoe
 
     out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
-    fn = lambda: hmoe.ops.ragged_prefill(inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr,  # noqa: E731
-                                         causal=c.causal, sm_scale=c.dqk ** -0.5, variant=variant, out=out)
+    if c.kv == "paged":
+        fn = lambda: hmoe.ops.paged_prefill(inp.q, inp.k_cache, inp.v_cache, inp.page_table,  # noqa: E731
+                                            inp.kv_lens, inp.qo_indptr, causal=c.causal, sm_scale=c.dqk ** -0.5,
+                                            variant=variant, out=out)
+    else:
+        fn = lambda: hmoe.ops.ragged_prefill(inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr,  # noqa: E731
+                                             causal=c.causal, sm_scale=c.dqk ** -0.5, variant=variant, out=out)
     fn()  # eager first: the module's lazy work and the shape's plan, not mid-capture
     return fn, out
 
@@ -121,9 +161,12 @@ def hmoe_plan(inp, c: Case, opts, variant) -> str | None:
 
 
 def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
-    """flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper on the same tensors (NHD layout: ours)."""
+    """flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper on the same tensors (NHD layout: ours),
+    or for kv "paged" its BatchPrefillWithPagedKVCacheWrapper on the same cache."""
     import torch
 
+    if c.kv == "paged":
+        return flashinfer_paged_runner(fi, backend, inp, c, use_graph)
     bufs = {}
     if use_graph:  # capture needs the indptr in buffers that keep their address
         bufs = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty_like(inp.qo_indptr),
@@ -135,6 +178,32 @@ def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
                  sm_scale=c.dqk ** -0.5, q_data_type=inp.q.dtype, kv_data_type=inp.k.dtype)
     out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
     fn = lambda: wrapper.run(inp.q, inp.k, inp.v, out=out)  # noqa: E731
+    fn()  # a backend's first use JIT-compiles here, outside any timing
+    return fn, out
+
+
+def flashinfer_paged_runner(fi, backend: str, inp, c: Case, use_graph: bool):
+    """BatchPrefillWithPagedKVCacheWrapper on hmoe's cache (NHD pages). Its page table is CSR:
+    kv_indices lists the pages request after request, kv_indptr[b] where request b's begin (in
+    pages), last_page_len the tokens of each request's last page."""
+    import torch
+
+    n_pages = [-(-L // c.page) for L in c.lens]
+    dev = inp.q.device
+    kv_indptr = _indptr(n_pages, dev)
+    kv_indices = torch.cat([inp.page_table[b, :n] for b, n in enumerate(n_pages)])
+    last = torch.tensor([L - (n - 1) * c.page for L, n in zip(c.lens, n_pages)], dtype=torch.int32, device=dev)
+    bufs = {}
+    if use_graph:  # capture needs the index arrays in buffers that keep their address
+        bufs = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty_like(inp.qo_indptr),
+                "paged_kv_indptr_buf": torch.empty_like(kv_indptr), "paged_kv_indices_buf": torch.empty_like(kv_indices),
+                "paged_kv_last_page_len_buf": torch.empty_like(last)}
+    workspace = torch.empty(2 << 30, dtype=torch.uint8, device=dev)  # as the ragged runner's
+    wrapper = fi.prefill.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend, **bufs)
+    wrapper.plan(inp.qo_indptr, kv_indptr, kv_indices, last, c.H, c.Hkv, c.dqk, c.page, head_dim_vo=c.dv,
+                 causal=c.causal, sm_scale=c.dqk ** -0.5, q_data_type=inp.q.dtype, kv_data_type=inp.k.dtype)
+    out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
+    fn = lambda: wrapper.run(inp.q, (inp.k_cache, inp.v_cache), out=out)  # noqa: E731
     fn()  # a backend's first use JIT-compiles here, outside any timing
     return fn, out
 
@@ -192,24 +261,24 @@ def format_row(row: dict) -> str:
     return _gpu_bench.format_row(row, COLUMNS)
 
 
-def hmoe_variants(index: int, forced: str | None) -> tuple[list, str]:
+def hmoe_variants(index: int, forced: str | None, op: str = "ragged_prefill") -> tuple[list, str]:
     """The hmoe variants a run times on cuda:<index> and a line that says what each is: those of
-    `forced` (a comma list), else every family of this build that runs ragged_prefill there, hmoe's
-    choice first. A variant that cannot run stays in the list: its rows show why."""
+    `forced` (a comma list), else every family of this build that runs `op` there, hmoe's choice
+    first. A variant that cannot run stays in the list: its rows show why."""
     from hmoe import _build_info
     from hmoe.ops import _cuda
 
     names = [v.strip() for v in forced.split(",") if v.strip()] if forced else None
     if names is None:
         try:
-            names = [_cuda.select("ragged_prefill", index).variant]
+            names = [_cuda.select(op, index).variant]
         except Exception as e:  # noqa: BLE001 - the rows show the error too
             return [None], f"none: {error_text(e)}"
-        names += sorted(f for f in _build_info.cuda_kernels_for("ragged_prefill") if f != names[0])
+        names += sorted(f for f in _build_info.cuda_kernels_for(op) if f != names[0])
     said, runs = [], []
     for name in names:
         try:
-            sel = _cuda.select("ragged_prefill", index, name)
+            sel = _cuda.select(op, index, name)
             said.append(f"{name} ({sel.reason.removeprefix(f'forced by variant={name}: ')})")
             runs.append(name)
         except Exception as e:  # noqa: BLE001 - a family that cannot run here is left out unless forced
@@ -222,7 +291,8 @@ def hmoe_variants(index: int, forced: str | None) -> tuple[list, str]:
 def parse_args(argv, prog):
     p = argparse.ArgumentParser(prog=prog, description=(
         "Time hmoe.ops.ragged_prefill against flashinfer's BatchPrefillWithRaggedKVCacheWrapper (fa2, fa3) on the "
-        "same tensors, count FLOPs (causal: only the pairs the mask keeps), relate them to the bf16 matmul rate "
+        "same tensors (with --kv paged: paged_prefill against BatchPrefillWithPagedKVCacheWrapper on the same "
+        "shuffled paged cache), count FLOPs (causal: only the pairs the mask keeps), relate them to the bf16 matmul rate "
         "measured in the same run (the floor), check every output against an fp64 reference."))
     p.add_argument("--shapes", default=DEFAULT_SHAPES,
                    help=f"comma list of batches: a preset ({', '.join(PRESETS)}) or '+'-joined L / NxL request lengths "
@@ -231,10 +301,16 @@ def parse_args(argv, prog):
     p.add_argument("--heads", type=int, default=128, help="query heads (default 128, DeepSeek's MLA prefill)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
+    p.add_argument("--kv", default="ragged", choices=("ragged", "paged"),
+                   help="the keys ragged (ragged_prefill, default) or in a paged cache of shuffled pages (paged_prefill)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per cache page with --kv paged (default 64)")
+    p.add_argument("--queries", type=int, default=None,
+                   help="each request's queries are its last N tokens (a chunked prefill after a cached prefix; "
+                        "default: all of them)")
     p.add_argument("--dtype", default="bf16", choices=tuple(TOLERANCE))
     _gpu_bench.add_timing_args(p, repeats=20)
     p.add_argument("--variant", default=None,
-                   help="comma list of hmoe CUDA variants to time, each its own row (passed to ragged_prefill); "
+                   help="comma list of hmoe CUDA variants to time, each its own row (passed to the op); "
                         "default: every variant of this build that runs on the GPU, hmoe's choice first")
     p.add_argument("--config", type=int, default=None,
                    help="force the kernel's tile configuration (an index, see hmoe.ops.prefill.plan; sets "
@@ -258,9 +334,12 @@ def parse_args(argv, prog):
     kv_heads = opts.kv_heads or opts.heads
     if opts.heads < 1 or kv_heads < 1 or opts.heads % kv_heads:
         p.error("--heads must be a positive multiple of --kv-heads")
+    if opts.page_size < 1 or (opts.queries is not None and opts.queries < 1):
+        p.error("--page-size and --queries must be positive")
     _gpu_bench.check_timing_args(p, opts)
-    opts.cases = [Case(name, L, dqk, dv, opts.heads, kv_heads, not opts.no_causal) for dqk, dv in dims
-                  for name, L in lens]
+    opts.op = f"{opts.kv}_prefill"
+    opts.cases = [Case(name, L, dqk, dv, opts.heads, kv_heads, not opts.no_causal, opts.kv, opts.page_size,
+                       opts.queries) for dqk, dv in dims for name, L in lens]
     return opts
 
 
@@ -284,18 +363,22 @@ def main(argv=None, prog="python -m hmoe.bench prefill") -> int:
     cc = (props.major, props.minor)
     fi, fi_why = (None, "--no-flashinfer") if opts.no_flashinfer else load_flashinfer("prefill")
     fi_skip = {"fa3": f"needs sm_90, this GPU is sm_{cc[0]}{cc[1]}"} if fi is not None and cc != HOPPER else {}
-    opts.variants, selection = hmoe_variants(dev.index, opts.variant)
+    opts.variants, selection = hmoe_variants(dev.index, opts.variant, opts.op)
     progress("measuring the bf16 matmul rate")
     peak = membw.gpu_matmul_tflops(dev)
     meta = {"gpu": props.name, "cc": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "hmoe": getattr(hmoe, "__version__", "?"), "hmoe_variant": selection,
             "flashinfer": getattr(fi, "__version__", None), "flashinfer_unavailable": fi_why,
-            "flashinfer_skipped": fi_skip, "dtype": opts.dtype,
+            "flashinfer_skipped": fi_skip, "dtype": opts.dtype, "op": opts.op,
+            "page_size": opts.page_size if opts.kv == "paged" else None, "queries": opts.queries,
             "check_heads": "first, middle and last query head", **_gpu_bench.timing_meta(opts)}
     print(f"hmoe.bench prefill  gpu: {props.name} (sm_{cc[0]}{cc[1]}, {props.multi_processor_count} SMs)  torch "
           f"{torch.__version__}  hmoe {meta['hmoe']}  flashinfer {meta['flashinfer'] or 'unavailable: ' + str(fi_why)}"
           + "".join(f"; {b} skipped: {w}" for b, w in fi_skip.items()))
-    print(f"hmoe variants: {selection};  {opts.dtype}, sm_scale 1/sqrt(Dqk);  timing: {meta['timing']}")
+    keys = f"paged cache, page size {opts.page_size}, shuffled pages" if opts.kv == "paged" else "ragged k/v"
+    queries = f"each request's last {opts.queries} tokens" if opts.queries else "every token"
+    print(f"hmoe.ops.{opts.op} ({keys}; queries: {queries}) variants: {selection};  {opts.dtype}, sm_scale "
+          f"1/sqrt(Dqk);  timing: {meta['timing']}")
     print(f"bf16 matmul {peak['n']}^3: {peak['tflops']:.0f} TFLOP/s (the floor's rate)\n"
           "TFLOP/s = 2 x (query, key) pairs the mask keeps x H x (Dqk + Dv) / time; floor = those FLOPs at the matmul "
           "rate;\nx floor = time / floor; x faN = flashinfer faN time / hmoe time (> 1: hmoe faster); t = timing;\n"
