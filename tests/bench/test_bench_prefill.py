@@ -137,6 +137,7 @@ class FakePagedWrapper(FakeWrapper):
         self.pages = (kv_indptr.tolist(), kv_indices.tolist(), last_page_len.tolist(), page_size)
 
     def run(self, q, kv_cache, out=None):
+        assert kv_cache[0].stride() == kv_cache[1].stride(), "K and V pages of one stride (flashinfer checks it)"
         indptr, indices, last, page = self.pages
         ks, vs, lens = [], [], []
         for b in range(len(last)):
@@ -190,14 +191,14 @@ def test_run_case_checks_against_reference_and_flashinfer(monkeypatch):
     assert line.startswith("t 64x64 H3/1") and "1.50x" in line and "1.20x" in line and " ok ref " in line
 
 
-@pytest.mark.parametrize("queries", [None, 9])
-def test_paged_case_checks_against_reference_and_flashinfer(monkeypatch, queries):
-    case = bench.Case("t", [20, 1, 33], 64, 64, 3, 1, True, "paged", 8, queries)
+@pytest.mark.parametrize("queries,dims", [(None, (64, 64)), (9, (64, 64)), (None, (192, 128))])
+def test_paged_case_checks_against_reference_and_flashinfer(monkeypatch, queries, dims):
+    case = bench.Case("t", [20, 1, 33], *dims, 3, 1, True, "paged", 8, queries)
     row = fake_run(monkeypatch, right, case=case)
     assert not row["failed"], row["checks"]
     assert {ch["what"] for ch in row["checks"]} == {"hmoe vs ref", "fa2 vs ref", "fa3 vs ref", "hmoe vs fa2",
                                                     "hmoe vs fa3"}
-    assert bench.format_row(row).startswith("t 64x64 H3/1 paged8" + (" q9" if queries else ""))
+    assert bench.format_row(row).startswith(f"t {dims[0]}x{dims[1]} H3/1 paged8" + (" q9" if queries else ""))
     # the keys one page further on (an off-by-a-page walk) fail against the reference
     shifted = lambda inp, c: right(types.SimpleNamespace(**dict(vars(inp), k=inp.k.roll(8, 0))), c)  # noqa: E731
     assert fake_run(monkeypatch, shifted, case=case)["failed"]

@@ -185,8 +185,15 @@ def flashinfer_runner(fi, backend: str, inp, c: Case, use_graph: bool):
 def flashinfer_paged_runner(fi, backend: str, inp, c: Case, use_graph: bool):
     """BatchPrefillWithPagedKVCacheWrapper on hmoe's cache (NHD pages). Its page table is CSR:
     kv_indices lists the pages request after request, kv_indptr[b] where request b's begin (in
-    pages), last_page_len the tokens of each request's last page."""
+    pages), last_page_len the tokens of each request's last page. Its kernels need K and V pages of
+    one stride, so where Dv < Dqk it reads V from a Dv-wide view of Dqk-wide rows (the same values;
+    each row's Dv elements still contiguous)."""
     import torch
+
+    v_cache = inp.v_cache
+    if c.dv != c.dqk:
+        v_cache = inp.k_cache.new_zeros(inp.k_cache.shape)[..., :c.dv]
+        v_cache.copy_(inp.v_cache)
 
     n_pages = [-(-L // c.page) for L in c.lens]
     dev = inp.q.device
@@ -203,7 +210,7 @@ def flashinfer_paged_runner(fi, backend: str, inp, c: Case, use_graph: bool):
     wrapper.plan(inp.qo_indptr, kv_indptr, kv_indices, last, c.H, c.Hkv, c.dqk, c.page, head_dim_vo=c.dv,
                  causal=c.causal, sm_scale=c.dqk ** -0.5, q_data_type=inp.q.dtype, kv_data_type=inp.k.dtype)
     out = inp.q.new_empty(inp.q.shape[0], c.H, c.dv)
-    fn = lambda: wrapper.run(inp.q, (inp.k_cache, inp.v_cache), out=out)  # noqa: E731
+    fn = lambda: wrapper.run(inp.q, (inp.k_cache, v_cache), out=out)  # noqa: E731
     fn()  # a backend's first use JIT-compiles here, outside any timing
     return fn, out
 
