@@ -1,8 +1,9 @@
 """A few hmoe.ops.ragged_prefill calls (and, for the portable family, paged_prefill) of one variant,
 small enough to run under compute-sanitizer: a ragged batch with empty requests, one key, partial
 tiles and more queries' keys than one tile, fewer queries than keys, causal and not, GQA, every
-head-dim pair, bf16 and fp16, lse; paged_prefill at page sizes 16 and 64 with a bad page id. Every output is checked for NaN/inf (a sanitizer run checks the
-memory accesses; tests/ops/test_ragged_prefill.py and test_paged_prefill.py check the values).
+head-dim pair, bf16 and fp16, lse; paged_prefill at page sizes 4, 16 and 64 with a bad page id. Every
+output is checked for NaN/inf (a sanitizer run checks the memory accesses; tests/ops/test_ragged_prefill.py
+and test_paged_prefill.py check the values).
 
     compute-sanitizer --tool racecheck python3 tools/sanitize_prefill.py sm90a
     (also --tool memcheck, --tool synccheck; the variant: portable or sm90a, default sm90a)
@@ -18,9 +19,9 @@ from hmoe.ops import paged_prefill, ragged_prefill
 # (query lengths, key lengths) per request: empty requests, a single key, partial and whole tiles
 LENGTHS = (([0, 1, 7, 130, 0, 200], [0, 1, 7, 130, 5, 333]), ([257], [257]))
 DIMS = ((192, 128), (128, 128), (64, 64))
-# paged_prefill's page sizes: a tile across pages (cp.async) and pages of whole 64-key tiles (the TMA on
-# sm_90 and newer)
-PAGES = (16, 64)
+# paged_prefill's page sizes: pages too small for the TMA (cp.async), pages that make a tile (the TMA on
+# sm_90 and newer, a box a page and block) and pages of whole 64-key tiles (the TMA, a box a tile)
+PAGES = (4, 16, 64)
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:

@@ -5,9 +5,10 @@
 // One CTA = one q tile (32 rows a warp, 4 or 8 warps; one request, one head). Q stays in
 // shared memory (it is re-read for every key tile: registers hold O and S), keys and values come
 // in tiles of kBN rows through cp.async, or on sm_90 and newer through the TMA (one 3-d box a
-// matrix, issued by one lane, completing on an mbarrier) wherever the tile lies whole inside the
-// request (RaggedTma; PagedTma where pages hold whole tiles; a request's last, partial tile takes
-// cp.async). Per tile:
+// matrix issued by warp 0, or for pages smaller than the tile a box a page and block spread over the
+// warps, completing on an mbarrier) wherever the tile lies whole inside the request (RaggedTma;
+// PagedTma where pages hold whole tiles, PagedTmaParts where pages of 8 keys or more make one; a
+// request's last, partial tile takes cp.async). Per tile:
 //   S = Q K^T    each warp its 32 rows x kBN keys, fp32 accumulators (K fragments feed 2 mma)
 //   softmax      online, log2 domain, attention/softmax.cuh's rules (lazy max, skipped rescale);
 //                the mask only on tiles that cross the causal diagonal or the sequence's end
@@ -65,6 +66,8 @@ struct Config {
                     kBlock % kPortableAlign == 0,
                 "K and V blocks start on the 128-byte swizzle's period");
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDv <= kDqk, "rows of whole 128-byte lines; O fits in Q's rows");
+  static_assert((kBN & (kBN - 1)) == 0 && kBN / 8 * (kDqk / 64) <= 32,
+                "PagedTma: the pages that divide a tile are powers of two, their boxes one a lane of a warp");
   static_assert(kBN % (kThreads / 8) == 0 && (KSTAGES == 1 || KSTAGES == 2) && (kWarps == 4 || kWarps == 8),
                 "tile shape: whole copy passes of kThreads / 8 rows");
 };
@@ -86,15 +89,22 @@ struct RaggedRows {
   int kv0, lk;
   __device__ __forceinline__ RaggedRows(const PrefillParams&, int, const Request& r) : kv0(r.kv0), lk(r.lk) {}
   __device__ __forceinline__ int row(const PrefillParams&, int j) const { return j < lk ? kv0 + j : -1; }
-  // The row of key j, the first of a tile the TMA copies (j + kBN <= lk: the tile's rows follow it).
-  __device__ __forceinline__ int first_row(const PrefillParams&, int j, int) const { return kv0 + j; }
 };
 
 // The same keys, with the tiles that lie whole inside the request copied by the TMA on sm_90 and
 // newer (PortableMaps; compiled as RaggedRows below sm_90, where the launcher never picks it).
+// tma_tile: the TMA policies' copy of one matrix (D columns: the head's D / 64 blocks of 64, kBlock
+// bytes apart in the tile) of the BN-key tile from key j (j + BN <= lk) into `dst`, completing on the
+// mbarrier at `bar` (one arrival, with the tile's bytes); called by every warp of the CTA (`warp` of
+// NW), converged.
 struct RaggedTma : RaggedRows {
   static constexpr bool kTma = true;
   using RaggedRows::RaggedRows;
+  template <int BN, int D, int kBlock, int NW>
+  __device__ __forceinline__ void tma_tile(const PrefillParams&, const CUtensorMap* map, uint32_t dst, int j, int kvh,
+                                           uint32_t bar, int warp) const {
+    if (warp == 0) attn::sm90::tma_load_3d_elected(dst, map, 0, kv0 + j, kvh * (D / 64), bar, BN * 2 * D);
+  }
 };
 
 // Key j of a paged request: the cache row the page table names (attention/page_walk.cuh's rules).
@@ -111,7 +121,7 @@ struct PagedRows {
 // request copied by the TMA (as RaggedTma). It keeps only the request and its length: the page
 // lookup's fields come from the params at each use (holding them across the loop, as PagedRows
 // does, made ptxas spill 184 bytes at 192 x 128), the page-table entry from L1 (a line holds 32
-// tiles' entries).
+// tiles' entries). A bad page id gives a box before the tensor, which the TMA fills with zeros.
 struct PagedTma {
   static constexpr bool kTma = true;
   int b, lk;
@@ -121,10 +131,38 @@ struct PagedTma {
     const int pg = j / p.page_size;
     return attn::cache_row(p.page_table[int64_t(b) * p.max_pages + pg], j - pg * p.page_size, p.page_size, p.num_pages);
   }
-  // A bad page id gives a box of bn rows before the tensor, which the TMA fills with zeros.
-  __device__ __forceinline__ int first_row(const PrefillParams& p, int j, int bn) const {
-    const int row = this->row(p, j);
-    return row < 0 ? -bn : row;
+  template <int BN, int D, int kBlock, int NW>
+  __device__ __forceinline__ void tma_tile(const PrefillParams& p, const CUtensorMap* map, uint32_t dst, int j, int kvh,
+                                           uint32_t bar, int warp) const {
+    if (warp == 0) {
+      const int row = this->row(p, j);
+      attn::sm90::tma_load_3d_elected(dst, map, 0, row < 0 ? -BN : row, kvh * (D / 64), bar, BN * 2 * D);
+    }
+  }
+};
+
+// The same keys for pages of 8 keys or more that make a tile (paged_tma_rows: a power of two below
+// it): the tile's BN / page pages come by TMA a box a page and 64-column block (page k lands at rows k
+// * page of each block, a multiple of the swizzle's 8-row period), the boxes spread over the warps
+// (box i = lane * NW + warp), so that no warp alone pays for issuing them (192 x 128 on an H200:
+// warp 0 issuing them all took 9% and 3% fewer cycles than cp.async at pages 32 and 16, spread 15%
+// and 13%). The launcher takes it for the configurations with one K buffer only (kTmaParts,
+// prefill_portable_kernels.cuh).
+struct PagedTmaParts : PagedTma {
+  using PagedTma::PagedTma;
+  template <int BN, int D, int kBlock, int NW>
+  __device__ __forceinline__ void tma_tile(const PrefillParams& p, const CUtensorMap* map, uint32_t dst, int j, int kvh,
+                                           uint32_t bar, int warp) const {
+    constexpr int kBlocks = D / 64;
+    const int rows = p.page_size, lane = threadIdx.x % 32, i = lane * NW + warp;
+    const bool mine = i * rows < BN * kBlocks;  // i below the tile's pages x blocks
+    // Every lane reads an entry before the branch (a lane without a box page 0's), so that the
+    // compiler may issue the reads early.
+    const int k = mine ? i / kBlocks : 0, blk = i - k * kBlocks;
+    const int row = this->row(p, j + k * rows), y = row < 0 ? -rows : row;
+    // The phase's one arrival; copies that complete before it leave it waiting for it.
+    if (i == 0) attn::sm90::mbar_expect_tx(bar, BN * 2 * D);
+    if (mine) attn::sm90::tma_load_3d(dst + blk * kBlock + k * rows * 128, map, 0, y, kvh * kBlocks + blk, bar);
   }
 };
 
@@ -217,8 +255,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     constexpr int D = decltype(d)::value;
     if constexpr (kTma) {
       if (by_tma(t)) {
-        if (warp == 0)
-          attn::sm90::tma_load_3d_elected(dst, map, 0, kv.first_row(p, t * BN, BN), kvh * (D / 64), bar(t), BN * 2 * D);
+        kv.template tma_tile<BN, D, C::kBlock, C::kWarps>(p, map, dst, t * BN, kvh, bar(t), warp);
         return;
       }
     }

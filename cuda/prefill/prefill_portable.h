@@ -36,10 +36,18 @@ constexpr int portable_smem(const PortableConfig& c) {
          kPortableAlign;
 }
 
+// The rows of the TMA's boxes for paged keys in tiles of bn keys (a power of two), 0 where the TMA
+// cannot copy them: bn where a page holds whole tiles, the page size where whole pages of 8 keys or
+// more make a tile (a box a page and 64-column block: 8 rows are the 128-byte swizzle's period).
+// Which configurations take the second (kTmaParts): prefill_portable_kernels.cuh.
+constexpr int paged_tma_rows(int page_size, int bn) {
+  return page_size % bn == 0 ? bn : page_size >= 8 && bn % page_size == 0 ? page_size : 0;
+}
+
 // The TMA's views of k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] (paged: the cache's P * page
 // rows), the kernel's second argument: 64-column blocks in the 128-byte swizzle, a box a tile's rows
-// and a head's blocks (tensor_map_blocks). Built on sm_90 and newer for ragged calls and for paged
-// calls whose page size is a multiple of the tile.
+// and a head's blocks (tensor_map_blocks), or for pages smaller than the tile a page's rows and one
+// block. Built on sm_90 and newer for ragged calls and for the paged calls uses_tma takes.
 struct PortableMaps {
   CUtensorMap k, v;
 };

@@ -83,8 +83,10 @@ def run_and_check(q, kc, vc, pt, lens, qo, *, causal=True):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [1, 16, 33, 64, 128])
+@pytest.mark.parametrize("page", [1, 4, 8, 16, 24, 32, 33, 64, 128, 192])
 def test_page_sizes(page):
+    # on sm_90 and newer the whole 64-key tiles of pages 8, 16, 32 (192 x 128: a box a page and block),
+    # 64, 128 and 192 (a box a tile) come by TMA; pages 1, 4, 24 and 33 by cp.async
     run_and_check(*make_paged([1, 70, 0, 130], [200, 70, 9, 300], 4, 2, (192, 128), page, torch.bfloat16, "cuda",
                               gen(page)))
 
@@ -148,22 +150,25 @@ def test_nan_in_unused_slots_bad_pages_and_lengths_do_not_leak():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [8, 16, 32, 64])
 @pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
-def test_whole_tile_pages_with_bad_ids_and_nan(dims):
-    # Pages of 64 tokens hold whole 64-key tiles, which the TMA copies on sm_90 and newer (a bad page id
-    # a box before the cache: zeros), the partial last tile of a request by cp.async; unused slots hold
-    # NaN. A wild id in a whole tile's entry and a negative one in a partial tile's read zeros.
-    q, kc, vc, pt, lens, qo = make_paged([64, 1, 100, 0], [128, 64, 200, 70], 4, 2, dims, 64, torch.bfloat16, "cuda",
-                                         gen(8))
+def test_tma_pages_with_bad_ids_and_nan(dims, page):
+    # The whole 64-key tiles of a request come by TMA on sm_90 and newer: a box of the tile where a
+    # page holds it, at 192 x 128 a box a page and block where pages of 8-32 keys make it (a bad page
+    # id a box before the cache: zeros); 128 x 128 takes those pages, and every partial last tile, by
+    # cp.async; unused slots hold NaN. A wild id in a whole tile's entry (key 70 of request 0) and a
+    # negative one in a partial tile's (key 195 of request 2) read zeros.
+    q, kc, vc, pt, lens, qo = make_paged([64, 1, 100, 0], [128, 64, 200, 70], 4, 2, dims, page, torch.bfloat16,
+                                         "cuda", gen(8))
     run_and_check(q, kc, vc, pt, lens, qo)
-    pt[0, 1], pt[2, 3] = 10 ** 6, -3
+    pt[0, 70 // page], pt[2, 195 // page] = 10 ** 6, -3
     run_and_check(q, kc, vc, pt, lens, qo)
     run_and_check(q, kc, vc, pt, lens, qo, causal=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
-@pytest.mark.parametrize("page", [32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64])
 def test_cuda_graph_replay_with_new_lengths_and_pages(page):
     q, kc, vc, pt, lens, qo = make_paged([100, 156], [400, 600], 2, 1, (192, 128), page, torch.bfloat16, "cuda",
                                          gen(7))
