@@ -191,14 +191,16 @@ def test_run_case_checks_against_reference_and_flashinfer(monkeypatch):
     assert line.startswith("t 64x64 H3/1") and "1.50x" in line and "1.20x" in line and " ok ref " in line
 
 
-@pytest.mark.parametrize("queries,dims", [(None, (64, 64)), (9, (64, 64)), (None, (192, 128))])
-def test_paged_case_checks_against_reference_and_flashinfer(monkeypatch, queries, dims):
-    case = bench.Case("t", [20, 1, 33], *dims, 3, 1, True, "paged", 8, queries)
+@pytest.mark.parametrize("kv,queries,dims", [("paged", None, (64, 64)), ("paged", 9, (64, 64)),
+                                             ("paged", None, (192, 128)), ("ragged", 9, (64, 64))])
+def test_chunks_and_paged_cases_check_against_reference_and_flashinfer(monkeypatch, kv, queries, dims):
+    case = bench.Case("t", [20, 1, 33], *dims, 3, 1, True, kv, 8, queries)
     row = fake_run(monkeypatch, right, case=case)
     assert not row["failed"], row["checks"]
     assert {ch["what"] for ch in row["checks"]} == {"hmoe vs ref", "fa2 vs ref", "fa3 vs ref", "hmoe vs fa2",
                                                     "hmoe vs fa3"}
-    assert bench.format_row(row).startswith(f"t {dims[0]}x{dims[1]} H3/1 paged8" + (" q9" if queries else ""))
+    label = f"t {dims[0]}x{dims[1]} H3/1" + (" paged8" if kv == "paged" else "") + (" q9" if queries else "")
+    assert bench.format_row(row).startswith(label + " ")
     # the keys one page further on (an off-by-a-page walk) fail against the reference
     shifted = lambda inp, c: right(types.SimpleNamespace(**dict(vars(inp), k=inp.k.roll(8, 0))), c)  # noqa: E731
     assert fake_run(monkeypatch, shifted, case=case)["failed"]
