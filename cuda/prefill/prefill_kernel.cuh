@@ -126,10 +126,13 @@ struct PagedTma {
   static constexpr bool kTma = true;
   int b, lk;
   __device__ __forceinline__ PagedTma(const PrefillParams&, int b_, const Request& r) : b(b_), lk(r.lk) {}
-  __device__ __forceinline__ int row(const PrefillParams& p, int j) const {  // the cp.async tiles
+  // The page size is a power of two (paged_tma_rows), so the page and the offset are a shift and a
+  // mask: a division's latency would hold up the warp that issues the TMA copy.
+  __device__ __forceinline__ int row(const PrefillParams& p, int j) const {
     if (j >= lk) return -1;
-    const int pg = j / p.page_size;
-    return attn::cache_row(p.page_table[int64_t(b) * p.max_pages + pg], j - pg * p.page_size, p.page_size, p.num_pages);
+    const int page = p.page_size;
+    return attn::cache_row(p.page_table[int64_t(b) * p.max_pages + (j >> (__ffs(page) - 1))], j & (page - 1), page,
+                           p.num_pages);
   }
   template <int BN, int D, int kBlock, int NW>
   __device__ __forceinline__ void tma_tile(const PrefillParams& p, const CUtensorMap* map, uint32_t dst, int j, int kvh,

@@ -37,11 +37,12 @@ constexpr int portable_smem(const PortableConfig& c) {
 }
 
 // The rows of the TMA's boxes for paged keys in tiles of bn keys (a power of two), 0 where the TMA
-// cannot copy them: bn where a page holds whole tiles, the page size where whole pages of 8 keys or
+// does not copy them: bn where a page holds whole tiles, the page size where whole pages of 8 keys or
 // more make a tile (a box a page and 64-column block: 8 rows are the 128-byte swizzle's period).
-// Which configurations take the second (kTmaParts): prefill_portable_kernels.cuh.
+// Both need a power of two (the kernel's page lookup shifts where it would divide). Which
+// configurations take the second (kTmaParts): prefill_portable_kernels.cuh.
 constexpr int paged_tma_rows(int page_size, int bn) {
-  return page_size % bn == 0 ? bn : page_size >= 8 && bn % page_size == 0 ? page_size : 0;
+  return page_size < 8 || (page_size & (page_size - 1)) != 0 ? 0 : page_size % bn == 0 ? bn : page_size;
 }
 
 // The TMA's views of k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] (paged: the cache's P * page
