@@ -117,11 +117,12 @@ struct PagedRows {
   __device__ __forceinline__ int row(const PrefillParams&, int j) const { return pages.row(j); }
 };
 
-// The same keys for page sizes that are multiples of the tile and powers of two (paged_tma_rows), the
-// tiles that lie whole inside the request copied by the TMA (as RaggedTma). It keeps only the request and its length:
-// the page lookup's fields come from the params at each use (holding them across the loop, as PagedRows does, made
-// ptxas spill 184 bytes at 192 x 128), the page-table entry from L1 (a line holds 32 tiles' entries). A bad page id
-// gives a box before the tensor, which the TMA fills with zeros.
+// The same keys for page sizes that are powers of two and multiples of the tile (paged_tma_rows),
+// the tiles that lie whole inside the request copied by the TMA (as RaggedTma). It keeps only the
+// request and its length: the page lookup's fields come from the params at each use (holding them
+// across the loop, as PagedRows does, made ptxas spill 184 bytes at 192 x 128), the page-table entry
+// from L1 (a line holds 32 tiles' entries). A bad page id gives a box before the tensor, which the
+// TMA fills with zeros.
 struct PagedTma {
   static constexpr bool kTma = true;
   int b, lk;
