@@ -19,8 +19,9 @@ from hmoe.ops import paged_prefill, ragged_prefill
 # (query lengths, key lengths) per request: empty requests, a single key, partial and whole tiles
 LENGTHS = (([0, 1, 7, 130, 0, 200], [0, 1, 7, 130, 5, 333]), ([257], [257]))
 DIMS = ((192, 128), (128, 128), (64, 64))
-# paged_prefill's page sizes: pages too small for the TMA (cp.async), pages that make a tile (the TMA on
-# sm_90 and newer, a box a page and block) and pages of whole 64-key tiles (the TMA, a box a tile)
+# paged_prefill's page sizes: pages too small for the TMA (cp.async), pages that make a tile (on sm_90
+# and newer the TMA at 192 x 128, a box a page and block; cp.async at the other head dims) and pages of
+# whole 64-key tiles (the TMA, a box a tile)
 PAGES = (4, 16, 64)
 
 
