@@ -89,7 +89,7 @@ void prefill_launch(const PrefillParams& p0, const PrefillPlan& plan, int device
   PrefillParams p = p0;
   p.max_items = plan.max_items;
   launch_schedule(p, plan.tile_q, kPortableQOrder, stream, "prefill");
-  // Keys through the TMA on sm_90 and newer where the configuration's tiles allow (uses_tma,
+  // Keys through the TMA on sm_90 and newer where the configuration's tiles allow (tma_rows,
   // PortableMaps; none to map without keys).
   const bool tma = p.total_kv > 0 && device_attribute(device, cudaDevAttrComputeCapabilityMajor, "prefill") >= 9;
   with_dims(p.head_dim_qk, p.head_dim_v, [&](auto dqk, auto dv) {

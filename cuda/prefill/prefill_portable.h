@@ -48,7 +48,7 @@ constexpr int paged_tma_rows(int page_size, int bn) {
 // The TMA's views of k [total_kv, Hkv * Dqk] and v [total_kv, Hkv * Dv] (paged: the cache's P * page
 // rows), the kernel's second argument: 64-column blocks in the 128-byte swizzle, a box a tile's rows
 // and a head's blocks (tensor_map_blocks), or for pages smaller than the tile a page's rows and one
-// block. Built on sm_90 and newer for ragged calls and for the paged calls uses_tma takes.
+// block. Built on sm_90 and newer for ragged calls and for the paged calls tma_rows takes.
 struct PortableMaps {
   CUtensorMap k, v;
 };

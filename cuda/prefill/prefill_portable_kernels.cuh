@@ -45,15 +45,18 @@ void for_config(int c, F&& f) {  // c < 0: every configuration of these head dim
 template <typename C>
 constexpr bool kTmaParts = C::kKStages == 1;
 
-// Whether configuration C copies p's tiles with the TMA on a device that can (`tma`): ragged keys,
-// paged keys whose pages hold whole tiles, and (kTmaParts) pages that divide them (paged_tma_rows).
+// The rows of the TMA's boxes for configuration C's tiles of p on a device that can (`tma`), 0 where
+// cp.async copies them: a tile's for ragged keys and for pages that hold whole tiles, a page's where
+// pages divide the tile and C takes them (kTmaParts; paged_tma_rows).
 template <typename C>
-bool uses_tma(const PrefillParams& p, bool tma) {
+int tma_rows(const PrefillParams& p, bool tma) {
+  if (!tma) return 0;
+  if (p.kv == kPrefillRagged) return C::kBN;
   const int rows = paged_tma_rows(p.page_size, C::kBN);
-  return tma && (p.kv == kPrefillRagged || rows == C::kBN || (rows > 0 && kTmaParts<C>));
+  return rows == C::kBN || kTmaParts<C> ? rows : 0;
 }
 
-// f(kernel) for each dtype and KV source (with_kernel: the one p asks for, uses_tma deciding the
+// f(kernel) for each dtype and KV source (with_kernel: the one p asks for, tma_rows deciding the
 // loader).
 template <typename T, typename C, typename F>
 void each_source(F&& f) {
@@ -69,25 +72,22 @@ void each_kernel(F&& f) {
   each_source<__half, C>(f);
 }
 template <typename T, typename C, typename F>
-void with_source(const PrefillParams& p, bool tma, F&& f) {
+void with_source(const PrefillParams& p, int rows, F&& f) {
   if (p.kv == kPrefillRagged)
-    tma ? f(prefill_kernel<T, C, RaggedTma>) : f(prefill_kernel<T, C, RaggedRows>);
-  else if (!tma)
+    rows ? f(prefill_kernel<T, C, RaggedTma>) : f(prefill_kernel<T, C, RaggedRows>);
+  else if (rows == 0)
     f(prefill_kernel<T, C, PagedRows>);
-  else if (paged_tma_rows(p.page_size, C::kBN) == C::kBN)
-    f(prefill_kernel<T, C, PagedTma>);
   else if constexpr (kTmaParts<C>)
-    f(prefill_kernel<T, C, PagedTmaParts>);
+    rows == C::kBN ? f(prefill_kernel<T, C, PagedTma>) : f(prefill_kernel<T, C, PagedTmaParts>);
   else
-    throw std::logic_error(
-        "prefill: pages smaller than the tile by TMA in a configuration that copies them by cp.async");
+    f(prefill_kernel<T, C, PagedTma>);  // tma_rows: a tile's rows or none
 }
 template <typename C, typename F>
-void with_kernel(const PrefillParams& p, bool tma, F&& f) {
+void with_kernel(const PrefillParams& p, int rows, F&& f) {
   if (p.dtype == kBF16)
-    with_source<__nv_bfloat16, C>(p, tma, f);
+    with_source<__nv_bfloat16, C>(p, rows, f);
   else
-    with_source<__half, C>(p, tma, f);
+    with_source<__half, C>(p, rows, f);
 }
 
 }  // namespace portable_detail
@@ -99,17 +99,16 @@ void portable_kernel_launch(const PrefillParams& p, int config, bool tma, cudaSt
   for_config<DQK, DV>(config, [&](auto cfg) {
     using C = decltype(cfg);
     const dim3 grid(unsigned(int64_t(p.max_items) * p.heads));
-    const bool by_tma = uses_tma<C>(p, tma);
+    const int rows = tma_rows<C>(p, tma);
     PortableMaps maps{};
-    if (by_tma) {  // see PortableMaps (paged: the cache's P * page rows)
+    if (rows > 0) {  // see PortableMaps (paged: the cache's P * page rows)
       const auto sw = CU_TENSOR_MAP_SWIZZLE_128B;
       const char* op = p.kv == kPrefillRagged ? "ragged_prefill" : "paged_prefill";
-      const int rows = p.kv == kPrefillRagged ? C::kBN : paged_tma_rows(p.page_size, C::kBN);
       const bool whole = rows == C::kBN;  // a box of a tile's rows takes the head's blocks, else one
       maps.k = tensor_map_blocks(p.k, p.total_kv, int64_t(p.kv_heads) * DQK, 64, rows, sw, op, whole ? DQK / 64 : 1);
       maps.v = tensor_map_blocks(p.v, p.total_kv, int64_t(p.kv_heads) * DV, 64, rows, sw, op, whole ? DV / 64 : 1);
     }
-    with_kernel<C>(p, by_tma, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, maps); });
+    with_kernel<C>(p, rows, [&](auto kernel) { kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, maps); });
     launched = true;
   });
   if (!launched) throw std::invalid_argument("prefill: configuration " + std::to_string(config) + " is not built");

@@ -87,7 +87,8 @@ def _indptr(lens, device):
 def make_inputs(c: Case, dtype, device, seed: int):
     """Random q, k, v and the index arrays; for kv "paged" also the same keys in a paged cache whose
     pages are a random permutation of all of them (as a serving engine's allocator leaves them):
-    k_cache, v_cache [P, page, Hkv, D], page_table [B, max pages] (unused entries 0), kv_lens."""
+    k_cache, v_cache [P, page, Hkv, D], page_table [B, max pages] (unused entries 0), kv_lens and
+    n_pages (the pages of each request)."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -96,7 +97,7 @@ def make_inputs(c: Case, dtype, device, seed: int):
     inp = types.SimpleNamespace(q=rnd(Tq, c.H, c.dqk), k=rnd(Tk, c.Hkv, c.dqk), v=rnd(Tk, c.Hkv, c.dv),
                                 qo_indptr=_indptr(c.q_lens, device), kv_indptr=_indptr(c.lens, device))
     if c.kv == "paged":
-        n_pages = [-(-L // c.page) for L in c.lens]
+        inp.n_pages = n_pages = [-(-L // c.page) for L in c.lens]
         perm = torch.randperm(sum(n_pages), generator=torch.Generator().manual_seed(seed + 1)).to(device)
         inp.page_table = torch.zeros(len(c.lens), max(n_pages), dtype=torch.int32, device=device)
         inp.k_cache = inp.k.new_zeros(sum(n_pages), c.page, c.Hkv, c.dqk)
@@ -194,12 +195,10 @@ def flashinfer_paged_runner(fi, backend: str, inp, c: Case, use_graph: bool):
     if c.dv != c.dqk:
         v_cache = inp.k_cache.new_zeros(inp.k_cache.shape)[..., :c.dv]
         v_cache.copy_(inp.v_cache)
-
-    n_pages = [-(-L // c.page) for L in c.lens]
     dev = inp.q.device
-    kv_indptr = _indptr(n_pages, dev)
-    kv_indices = torch.cat([inp.page_table[b, :n] for b, n in enumerate(n_pages)])
-    last = torch.tensor([L - (n - 1) * c.page for L, n in zip(c.lens, n_pages)], dtype=torch.int32, device=dev)
+    kv_indptr = _indptr(inp.n_pages, dev)
+    kv_indices = torch.cat([inp.page_table[b, :n] for b, n in enumerate(inp.n_pages)])
+    last = torch.tensor([L - (n - 1) * c.page for L, n in zip(c.lens, inp.n_pages)], dtype=torch.int32, device=dev)
     bufs = {}
     if use_graph:  # capture needs the index arrays in buffers that keep their address
         bufs = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty_like(inp.qo_indptr),
