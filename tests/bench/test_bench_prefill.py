@@ -146,7 +146,7 @@ class FakePagedWrapper(FakeWrapper):
             ks.append(kv_cache[0][ids].flatten(0, 1)[:L])
             vs.append(kv_cache[1][ids].flatten(0, 1)[:L])
             lens.append(L)
-        self.p.kv = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))])
+        self.p.kv = bench._indptr(lens, "cpu")
         return super().run(q, torch.cat(ks), torch.cat(vs), out=out)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import sys
 import types
@@ -79,9 +80,10 @@ def bytes_moved(c: Case, elt: int = 2) -> int:
 
 
 def _indptr(lens, device):
+    """int32 [len(lens) + 1]: 0, then the running sums of lens."""
     import torch
 
-    return torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
 def make_inputs(c: Case, dtype, device, seed: int):
