@@ -334,8 +334,34 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // sign of c), keys the row does not see set to -inf. The running max moves lazily
   // (softmax.cuh), so on most tiles alpha is 1 in every row of the warp and O is not rescaled
   // (rescale_o). Every call passes `masked` as a literal: inlined, the path holds no branch.
+  //
+  // With two K buffers the fast path first guesses that the running max stays: p = 2^(s c - m)
+  // with m as it stands, a row at a time. Where every p of the row stays at most 2^kLazy in all of
+  // its threads (each thread's partial sum shows it; NaN and inf, as on a row's first tile, fail
+  // the test), the lazy rule keeps m and these are its p, so the row max, its shuffles and the
+  // rescale are skipped; a row that fails takes the full rule. With one K buffer (192 x 128) it
+  // gained nothing and made ptxas spill (docs/perf/prefill.md).
+  constexpr bool kGuess = C::kKStages == 2;
   float alpha[2][2];
+  bool rescaled = false;  // warp-uniform: some row of the tile took the full rule
   auto softmax_row = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked, int mi, int hf) {
+    if (kGuess && !masked) {
+      const float m = m_run[mi][hf];
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kN8; ++j) {
+        const float p0 = exp2_ftz(fmaf(s[mi][j][2 * hf], c, -m));
+        const float p1 = exp2_ftz(fmaf(s[mi][j][2 * hf + 1], c, -m));
+        sum += p0 + p1;
+        pk[mi][j][hf] = pack2<T>(p0, p1);
+      }
+      if (!__any_sync(0xffffffffu, !(sum <= attn::kLazyP))) {
+        alpha[mi][hf] = 1.f;
+        l_run[mi][hf] += sum;
+        return;
+      }
+      rescaled = true;
+    }
     float mx = -INFINITY;
     if (masked) {
       const int lim = visible_keys(r, p.causal, q_first + 32 * warp + 16 * mi + g + 8 * hf) - t * BN;
@@ -382,9 +408,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     }
   };
   auto softmax = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked) {
+    rescaled = !kGuess || masked;
 #pragma unroll
     for (int row = 0; row < 4; ++row) softmax_row(s, pk, t, masked, row / 2, row % 2);
-    rescale_o();
+    if (rescaled) rescale_o();
   };
 
   // O += P V for tile t: P's C fragments of two n8 tiles (packed by softmax_row) are the A
