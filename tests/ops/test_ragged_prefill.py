@@ -251,17 +251,28 @@ def test_any_scale(scale, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
-def test_running_max_moving_on_later_tiles(causal, dims, variant):
+def test_running_max_moving_on_later_tiles(monkeypatch, causal, dims, variant):
     # Scores that grow along each request's keys by about 16 (log2 units) every 64 keys: the
-    # running max moves on tiles after the first, unmasked ones included, where the kernels' first
-    # guess (the max as it stood) fails and the tile takes the full softmax.
+    # running max moves on tiles after the first, unmasked ones included (where the portable
+    # kernel's configurations with two K buffers first guess that it stays), in every
+    # configuration of the head dims.
     q_lens, kv_lens = [300, 70], [300, 200]
     q, k, v, qo, kv = make_ragged(q_lens, kv_lens, 2, 2, dims, torch.bfloat16, "cpu", gen(14))
     step = 0.25 / (dims[0] * SCALE * math.log2(math.e))  # per key, so that q . k grows by 0.25 log2 units
     ramp = torch.cat([torch.arange(n, dtype=torch.float32) * step for n in kv_lens])
     q = (0.3 * q.float() + 1).to(torch.bfloat16)
     k = (0.3 * k.float() + ramp[:, None, None]).to(torch.bfloat16)
-    run_and_check(q.cuda(), k.cuda(), v.cuda(), qo.cuda(), kv.cuda(), causal=causal, variant=variant)
+    args = [t.cuda() for t in (q, k, v, qo, kv)]
+    ran = []
+    for c in range(8):
+        try:
+            prefill_mod.plan(torch.cuda.current_device(), 370, 2, 2, 2, *dims, config=c, variant=variant)
+        except ValueError:  # another head dims' configuration, or one this device cannot hold
+            continue
+        monkeypatch.setenv("HMOE_PREFILL_CONFIG", str(c))
+        run_and_check(*args, causal=causal, variant=variant)
+        ran.append(c)
+    assert ran, dims
 
 
 @pytest.mark.gpu
