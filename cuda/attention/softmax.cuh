@@ -14,7 +14,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // 2^kLazy (exact in fp32 and in the 16-bit P), and on most tiles the rescale factor is exactly 1,
 // so a kernel can skip rescaling its accumulators.
 constexpr float kLazy = 8.f;
-constexpr float kLazyP = 256.f;  // 2^kLazy
+constexpr float kLazyP = float(1 << int(kLazy));  // 2^kLazy: the largest p
 
 // 2^x on the SFU, subnormal results flushed to zero (exp2f adds a rescale for them: 3 more
 // instructions a call). The p are at most 2^kLazy and the sum they feed holds a 1 for the

@@ -344,17 +344,23 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   constexpr bool kGuess = C::kKStages == 2;
   float alpha[2][2];
   bool rescaled = false;  // warp-uniform: some row of the tile took the full rule
+  // Row (mi, hf)'s p = 2^(s c - m) (masked: s scaled already, 2^(s - m)), rounded to T (the
+  // precision contract) and packed for P V into pk; returns their sum.
+  auto row_p = [&](const float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], const bool masked, int mi, int hf, float m) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN8; ++j) {
+      const float* x = &s[mi][j][2 * hf];
+      const float p0 = exp2_ftz(masked ? x[0] - m : fmaf(x[0], c, -m));
+      const float p1 = exp2_ftz(masked ? x[1] - m : fmaf(x[1], c, -m));
+      sum += p0 + p1;
+      pk[mi][j][hf] = pack2<T>(p0, p1);
+    }
+    return sum;
+  };
   auto softmax_row = [&](float (&s)[2][kN8][4], uint32_t (&pk)[2][kN8][2], int t, const bool masked, int mi, int hf) {
     if (kGuess && !masked) {
-      const float m = m_run[mi][hf];
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kN8; ++j) {
-        const float p0 = exp2_ftz(fmaf(s[mi][j][2 * hf], c, -m));
-        const float p1 = exp2_ftz(fmaf(s[mi][j][2 * hf + 1], c, -m));
-        sum += p0 + p1;
-        pk[mi][j][hf] = pack2<T>(p0, p1);
-      }
+      const float sum = row_p(s, pk, false, mi, hf, m_run[mi][hf]);
       if (!__any_sync(0xffffffffu, !(sum <= attn::kLazyP))) {
         alpha[mi][hf] = 1.f;
         l_run[mi][hf] += sum;
@@ -382,16 +388,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     const float m_new = attn::next_max(m_run[mi][hf], mx);
     alpha[mi][hf] = attn::rescale(m_run[mi][hf], m_new);
     m_run[mi][hf] = m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kN8; ++j) {
-      const float* x = &s[mi][j][2 * hf];
-      const float p0 = exp2_ftz(masked ? x[0] - m_new : fmaf(x[0], c, -m_new));
-      const float p1 = exp2_ftz(masked ? x[1] - m_new : fmaf(x[1], c, -m_new));
-      sum += p0 + p1;
-      pk[mi][j][hf] = pack2<T>(p0, p1);  // P rounded to T (the precision contract), packed for P V
-    }
-    l_run[mi][hf] = l_run[mi][hf] * alpha[mi][hf] + sum;
+    l_run[mi][hf] = l_run[mi][hf] * alpha[mi][hf] + row_p(s, pk, masked, mi, hf, m_new);
   };
   auto rescale_o = [&]() {
     const bool moved = alpha[0][0] != 1.f || alpha[0][1] != 1.f || alpha[1][0] != 1.f || alpha[1][1] != 1.f;
