@@ -9,7 +9,7 @@
 # bench_overhead bench_mla bench_experts bench_e2e), so that the work fits the device tool's
 # 10-minute calls. tests_gpu runs the tests marked gpu; tests runs the rest, which on a GPU host
 # takes longer than one such call (each hmoe.compat child there initialises NVML and imports a
-# CUDA torch: tests/compat alone took 344 s on an H200 host against 78 s on a 2-core machine
+# CUDA torch: tests/compat alone took 340 s on an H200 host against 78 s on a 2-core machine
 # without a GPU); pass pytest's own selection through PYTEST_ADDOPTS to run it in parts. Both
 # print a line a test, so that a log cut short still names what ran and failed.
 set -uo pipefail
