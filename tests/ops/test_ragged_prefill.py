@@ -248,6 +248,19 @@ def test_any_scale(scale, variant):
                   variant=variant)
 
 
+def each_configuration(monkeypatch, shape, dims, variant):
+    """Yields (index, plan) for every tile configuration of these head dims that this GPU holds,
+    with $HMOE_PREFILL_CONFIG set to it while the caller runs; shape: (total_q, batch, heads,
+    kv_heads) as prefill.plan takes them."""
+    for c in range(8):
+        try:
+            p = prefill_mod.plan(torch.cuda.current_device(), *shape, *dims, config=c, variant=variant)
+        except ValueError:  # another head dims' configuration, or one this device cannot hold
+            continue
+        monkeypatch.setenv("HMOE_PREFILL_CONFIG", str(c))
+        yield c, p
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
@@ -264,12 +277,7 @@ def test_running_max_moving_on_later_tiles(monkeypatch, causal, dims, variant):
     k = (0.3 * k.float() + ramp[:, None, None]).to(torch.bfloat16)
     args = [t.cuda() for t in (q, k, v, qo, kv)]
     ran = []
-    for c in range(8):
-        try:
-            prefill_mod.plan(torch.cuda.current_device(), 370, 2, 2, 2, *dims, config=c, variant=variant)
-        except ValueError:  # another head dims' configuration, or one this device cannot hold
-            continue
-        monkeypatch.setenv("HMOE_PREFILL_CONFIG", str(c))
+    for c, _ in each_configuration(monkeypatch, (370, 2, 2, 2), dims, variant):
         run_and_check(*args, causal=causal, variant=variant)
         ran.append(c)
     assert ran, dims
@@ -284,13 +292,8 @@ def test_every_configuration(monkeypatch, variant):
         default = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, variant=variant)
         assert default.tile_q in (128, 256) and default.max_items == 277 // default.tile_q + 2
         ran = []
-        for c in range(8):
-            try:
-                p = prefill_mod.plan(idx, 277, 2, 4, 2, *dims, config=c, variant=variant)
-            except ValueError:  # another head dims' configuration, or one this device cannot hold
-                continue
+        for c, p in each_configuration(monkeypatch, (277, 2, 4, 2), dims, variant):
             assert p.config == c
-            monkeypatch.setenv("HMOE_PREFILL_CONFIG", str(c))
             run_and_check(*args, variant=variant)
             ran.append(c)
         assert default.config in ran, (dims, ran)  # the refusals swallowed above never include the default's
