@@ -15,6 +15,7 @@ from hmoe.compat import probes
 from hmoe.hardware import gpu
 
 from . import minischema
+from .build import needs_sass
 
 SCHEMA = json.loads((Path(compat.__file__).parent / "schema.json").read_text())
 PKG = Path(hmoe.__file__).resolve().parent
@@ -41,6 +42,7 @@ def test_plain_and_ok_without_gpu(tmp_path):
     assert p.returncode == 0 and "== problems\n  none" in p.stdout, p.stdout + p.stderr
 
 
+@needs_sass("80", "90")
 def test_json_validates(tmp_path):
     p = cli("--json", "--simulate-gpu", "9.0", "--simulate-gpu", "8.6", cwd=tmp_path)
     rep = json.loads(p.stdout)

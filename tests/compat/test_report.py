@@ -16,11 +16,9 @@ from hmoe.compat import probes, render
 
 from ..hardware import fake_nvml as F
 from . import minischema
+from .build import HAS_CUDA, MANIFEST, needs_cuda_build, needs_sass
 
 SCHEMA = json.loads((Path(compat.__file__).parent / "schema.json").read_text())
-MANIFEST = hmoe.build_info()
-HAS_CUDA = bool(MANIFEST.get("cuda_version") and MANIFEST.get("cuda_kernels"))
-needs_cuda_build = pytest.mark.skipif(not HAS_CUDA, reason="this hmoe was built without CUDA")
 
 
 def run(**kw):
@@ -130,6 +128,7 @@ def test_old_driver(env):
 
 
 @needs_cuda_build
+@needs_sass("80")
 def test_mig(env):
     mig = F.mig_a100()
     env(nvml=F.make([mig]))
@@ -152,6 +151,7 @@ def test_uuids_in_cuda_visible_devices(env, monkeypatch):
     assert "CUDA_VISIBLE_DEVICES 'GPU-8932f937,GPU-nope,0'" in text
 
 
+@needs_sass("80", "100", "120")
 def test_simulated_gpus_and_cpu(env):
     rep, text = run(simulate_gpu=["8.6", "9.0", "10.0", "7.5", "12.0", "12.1"], simulate_cpu="avx2")
     assert rep["simulated"] == {"gpu": ["8.6", "9.0", "10.0", "7.5", "12.0", "12.1"], "cpu": "avx2"}
@@ -254,6 +254,7 @@ def test_torch_sees_other_gpus(env):
     assert rep["torch"]["same_gpus"] is True and "same GPUs as NVML" in text
 
 
+@needs_sass("89")
 def test_torch_devices_stand_in_for_nvml(env):
     env(torch={"installed": True, "version": "2.13.0", "cuda_version": "13.0", "cuda_available": True,
                "devices": [{"ordinal": 0, "name": "NVIDIA L40", "cc": [8, 9], "uuid": None}]})
